@@ -1,0 +1,71 @@
+"""Where an attempt ran and with what software: the placement and container digest of a receipt."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import socket
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from pipeline.digests import sha256_json
+
+
+@functools.cache
+def container_digest() -> str:
+    """The image digest when running in a container, else a digest of the installed distributions.
+
+    Kubernetes deployments pass the image digest in ``TRACKS_IMAGE_DIGEST`` (downward API or
+    the launcher); outside a container the locked environment is what identifies the software.
+    """
+    image = os.environ.get("TRACKS_IMAGE_DIGEST")
+    if image:
+        return image
+    dists = sorted(
+        {(d.metadata["Name"].lower(), d.version) for d in metadata.distributions() if d.metadata["Name"]}
+    )
+    return "env:sha256:" + sha256_json(dists)[:64]
+
+
+def code_commit(repo: str | Path | None = None) -> str | None:
+    """The git commit of the code, from ``TRACKS_CODE_COMMIT`` or the working tree."""
+    if commit := os.environ.get("TRACKS_CODE_COMMIT"):
+        return commit
+    cwd = Path(repo) if repo else Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    commit = out.stdout.strip()
+    if out.returncode != 0 or not commit:
+        return None
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=cwd, capture_output=True, text=True, timeout=5,
+    ).stdout.strip()
+    return commit + ("-dirty" if dirty else "")
+
+
+def placement(world_size: int = 1) -> dict[str, Any]:
+    """Host, pod and node (Kubernetes downward API when present), accelerators and versions."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {
+        "host": socket.gethostname(),
+        "pod": os.environ.get("POD_NAME") or os.environ.get("HOSTNAME_POD"),
+        "node": os.environ.get("NODE_NAME"),
+        "namespace": os.environ.get("POD_NAMESPACE"),
+        "accelerator_type": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "accelerator_count": torch.cuda.device_count() if cuda else 0,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "python_version": platform.python_version(),
+        "world_size": world_size,
+        "cpu_count": os.cpu_count(),
+    }

@@ -1,0 +1,31 @@
+"""The attempt receipt: a relational ledger of runs, attempts, checkpoints, evaluations, promotions."""
+
+from pipeline.ledger.errors import (
+    LedgerError,
+    StaleFencingTokenError,
+    UnknownAttemptError,
+    UnknownRunError,
+)
+from pipeline.ledger.ledger import Ledger
+from pipeline.ledger.records import (
+    AttemptRecord,
+    AttemptStart,
+    CheckpointRecord,
+    EvaluationRecord,
+    PromotionRecord,
+    RunRecord,
+)
+
+__all__ = [
+    "AttemptRecord",
+    "AttemptStart",
+    "CheckpointRecord",
+    "EvaluationRecord",
+    "Ledger",
+    "LedgerError",
+    "PromotionRecord",
+    "RunRecord",
+    "StaleFencingTokenError",
+    "UnknownAttemptError",
+    "UnknownRunError",
+]

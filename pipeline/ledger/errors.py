@@ -1,0 +1,34 @@
+"""Errors the ledger raises; each names the run, attempt or checkpoint involved."""
+
+from __future__ import annotations
+
+
+class LedgerError(Exception):
+    """Base class for ledger errors."""
+
+
+class UnknownRunError(LedgerError):
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"run {run_id!r} is not in the ledger")
+        self.run_id = run_id
+
+
+class UnknownAttemptError(LedgerError):
+    def __init__(self, run_id: str, attempt_no: int) -> None:
+        super().__init__(f"attempt {run_id}#{attempt_no} is not in the ledger")
+        self.run_id = run_id
+        self.attempt_no = attempt_no
+
+
+class StaleFencingTokenError(LedgerError):
+    """A checkpoint commit from an attempt that a newer attempt of the same run replaced."""
+
+    def __init__(self, run_id: str, attempt_no: int, token: int, current: int) -> None:
+        super().__init__(
+            f"attempt {run_id}#{attempt_no} holds fencing token {token} but the run's current "
+            f"token is {current}: a newer attempt owns this run, so this commit is refused"
+        )
+        self.run_id = run_id
+        self.attempt_no = attempt_no
+        self.token = token
+        self.current = current

@@ -1,0 +1,561 @@
+"""The ledger: SQLAlchemy Core over SQLite (default) or PostgreSQL (production).
+
+Writes are short transactions. Disconnects (a restarted PostgreSQL) and SQLite lock contention
+are retried here, because Dagster's own storage does not reconnect and a trainer must not die
+because the database blinked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+
+from pipeline.ledger import schema
+from pipeline.ledger.errors import StaleFencingTokenError, UnknownAttemptError, UnknownRunError
+from pipeline.ledger.records import (
+    AttemptRecord,
+    AttemptStart,
+    CheckpointRecord,
+    EvaluationRecord,
+    PromotionRecord,
+    RunRecord,
+)
+from pipeline.states import (
+    AttemptStatus,
+    CheckpointState,
+    PromotionDecision,
+    Purpose,
+    RunStatus,
+    TerminationReason,
+)
+
+T = TypeVar("T")
+
+_RETRIES = 5
+_MIGRATIONS = Path(__file__).with_name("migrations")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        database = sa.engine.make_url(url).database
+        if database and database != ":memory:":
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @sa.event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            # WAL lets the trainer write heartbeats while the webserver reads.
+            cursor = dbapi_conn.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        return engine
+    return sa.create_engine(url, pool_pre_ping=True, pool_recycle=1800)
+
+
+def _is_retryable(exc: DBAPIError) -> bool:
+    if exc.connection_invalidated:
+        return True
+    if isinstance(exc, OperationalError):
+        text = str(exc.orig).lower()
+        return any(
+            marker in text
+            for marker in ("database is locked", "server closed", "terminating connection",
+                           "could not connect", "connection refused", "connection reset")
+        )
+    return False
+
+
+class Ledger:
+    """Receipts for runs, attempts, checkpoints, evaluations and promotions."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = _make_engine(url)
+
+    @classmethod
+    def open(cls, url: str) -> Ledger:
+        """Connect and bring the schema to the newest migration."""
+        ledger = cls(url)
+        ledger.upgrade()
+        return ledger
+
+    def upgrade(self, revision: str = "head") -> None:
+        from alembic import command
+        from alembic.config import Config
+
+        cfg = Config()
+        cfg.set_main_option("script_location", str(_MIGRATIONS))
+        with self.engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _tx(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn`` in one transaction, retrying the whole transaction on a disconnect."""
+        delay = 0.2
+        for attempt in range(_RETRIES):
+            try:
+                with self.engine.begin() as conn:
+                    return fn(conn)
+            except DBAPIError as exc:
+                if attempt == _RETRIES - 1 or not _is_retryable(exc):
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    # -- runs -------------------------------------------------------------------------------
+
+    def create_run(
+        self,
+        *,
+        run_id: str,
+        model_family: str,
+        owner: str,
+        purpose: Purpose | str,
+        config_sha256: str,
+        snapshot_id: str,
+        code_commit: str | None = None,
+        retry_policy: dict[str, Any] | None = None,
+    ) -> RunRecord:
+        values = {
+            "run_id": run_id,
+            "model_family": model_family,
+            "owner": owner,
+            "purpose": str(Purpose(purpose)),
+            "config_sha256": config_sha256,
+            "snapshot_id": snapshot_id,
+            "code_commit": code_commit,
+            "created_at": utcnow(),
+            "status": str(RunStatus.RUNNING),
+            "fencing_token": 0,
+            "retry_policy": retry_policy,
+        }
+        self._tx(lambda conn: conn.execute(sa.insert(schema.training_runs).values(**values)))
+        return self.get_run(run_id)
+
+    def get_run(self, run_id: str) -> RunRecord:
+        row = self._tx(
+            lambda conn: conn.execute(
+                sa.select(schema.training_runs).where(schema.training_runs.c.run_id == run_id)
+            ).first()
+        )
+        if row is None:
+            raise UnknownRunError(run_id)
+        return RunRecord.from_row(row)
+
+    def find_runs(
+        self,
+        *,
+        snapshot_id: str | None = None,
+        model_family: str | None = None,
+        status: RunStatus | None = None,
+        limit: int = 100,
+    ) -> list[RunRecord]:
+        """Runs, newest first, filtered by snapshot, family and status."""
+        t = schema.training_runs
+        query = sa.select(t).order_by(t.c.created_at.desc(), t.c.run_id.desc()).limit(limit)
+        if snapshot_id is not None:
+            query = query.where(t.c.snapshot_id == snapshot_id)
+        if model_family is not None:
+            query = query.where(t.c.model_family == model_family)
+        if status is not None:
+            query = query.where(t.c.status == str(status))
+        rows = self._tx(lambda conn: conn.execute(query).all())
+        return [RunRecord.from_row(r) for r in rows]
+
+    def set_run_status(self, run_id: str, status: RunStatus) -> None:
+        t = schema.training_runs
+        self._tx(
+            lambda conn: conn.execute(
+                sa.update(t).where(t.c.run_id == run_id).values(status=str(status))
+            )
+        )
+
+    # -- attempts ---------------------------------------------------------------------------
+
+    def begin_attempt(self, run_id: str, start: AttemptStart) -> AttemptRecord:
+        """Open the next attempt of ``run_id`` and hand it a fresh fencing token.
+
+        Bumping the run's token here is what makes every older attempt stale: their
+        checkpoint commits are refused from now on.
+        """
+        runs, attempts = schema.training_runs, schema.training_attempts
+
+        def _begin(conn: Connection) -> int:
+            bumped = conn.execute(
+                sa.update(runs)
+                .where(runs.c.run_id == run_id)
+                .values(fencing_token=runs.c.fencing_token + 1, status=str(RunStatus.RUNNING))
+                .returning(runs.c.fencing_token, runs.c.model_family)
+            ).first()
+            if bumped is None:
+                raise UnknownRunError(run_id)
+            token, family = bumped
+            last = conn.execute(
+                sa.select(sa.func.max(attempts.c.attempt_no)).where(attempts.c.run_id == run_id)
+            ).scalar()
+            attempt_no = (last or 0) + 1
+            now = utcnow()
+            conn.execute(
+                sa.insert(attempts).values(
+                    run_id=run_id,
+                    attempt_no=attempt_no,
+                    model_family=family,
+                    dagster_run_id=start.dagster_run_id,
+                    started_at=now,
+                    heartbeat_at=now,
+                    status=str(AttemptStatus.RUNNING),
+                    config_snapshot=start.config_snapshot,
+                    config_sha256=start.config_sha256,
+                    data_manifest_sha256=start.data_manifest_sha256,
+                    container_digest=start.container_digest,
+                    placement=start.placement,
+                    code_commit=start.code_commit,
+                    resumed_from_checkpoint=start.resumed_from_checkpoint,
+                    fencing_token=token,
+                )
+            )
+            return attempt_no
+
+        attempt_no = self._tx(_begin)
+        return self.get_attempt(run_id, attempt_no)
+
+    def get_attempt(self, run_id: str, attempt_no: int) -> AttemptRecord:
+        t = schema.training_attempts
+        row = self._tx(
+            lambda conn: conn.execute(
+                sa.select(t).where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
+            ).first()
+        )
+        if row is None:
+            raise UnknownAttemptError(run_id, attempt_no)
+        return AttemptRecord.from_row(row)
+
+    def attempts(self, run_id: str) -> list[AttemptRecord]:
+        t = schema.training_attempts
+        rows = self._tx(
+            lambda conn: conn.execute(
+                sa.select(t).where(t.c.run_id == run_id).order_by(t.c.attempt_no)
+            ).all()
+        )
+        return [AttemptRecord.from_row(r) for r in rows]
+
+    def latest_attempt(self, run_id: str) -> AttemptRecord | None:
+        found = self.attempts(run_id)
+        return found[-1] if found else None
+
+    def list_attempts(
+        self,
+        *,
+        model_family: str | None = None,
+        termination_reason: TerminationReason | str | None = None,
+        status: AttemptStatus | None = None,
+        since: datetime | None = None,
+        limit: int = 50,
+    ) -> list[AttemptRecord]:
+        """Attempts, newest first, with optional filters."""
+        t = schema.training_attempts
+        query = sa.select(t).order_by(t.c.started_at.desc()).limit(limit)
+        if model_family is not None:
+            query = query.where(t.c.model_family == model_family)
+        if termination_reason is not None:
+            query = query.where(t.c.termination_reason == str(termination_reason))
+        if status is not None:
+            query = query.where(t.c.status == str(status))
+        if since is not None:
+            query = query.where(t.c.started_at >= since)
+        rows = self._tx(lambda conn: conn.execute(query).all())
+        return [AttemptRecord.from_row(r) for r in rows]
+
+    def heartbeat(self, run_id: str, attempt_no: int, *, step: int | None = None) -> None:
+        t = schema.training_attempts
+        values: dict[str, Any] = {"heartbeat_at": utcnow()}
+        if step is not None:
+            values["last_step"] = step
+        self._tx(
+            lambda conn: conn.execute(
+                sa.update(t)
+                .where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
+                .values(**values)
+            )
+        )
+
+    def end_attempt(
+        self,
+        run_id: str,
+        attempt_no: int,
+        *,
+        termination_reason: TerminationReason,
+        termination_detail: str,
+        exit_code: int | None = None,
+        signal: str | None = None,
+        gpu_seconds: float = 0.0,
+        cpu_seconds: float = 0.0,
+        last_step: int | None = None,
+        retry_decision: dict[str, Any] | None = None,
+    ) -> AttemptRecord:
+        """Close an attempt with exactly one termination reason and one honest sentence."""
+        t = schema.training_attempts
+        status = (
+            AttemptStatus.SUCCEEDED
+            if termination_reason == TerminationReason.SUCCEEDED
+            else AttemptStatus.FAILED
+        )
+        values: dict[str, Any] = {
+            "ended_at": utcnow(),
+            "status": str(status),
+            "termination_reason": str(termination_reason),
+            "termination_detail": termination_detail,
+            "exit_code": exit_code,
+            "signal": signal,
+            "gpu_seconds": gpu_seconds,
+            "cpu_seconds": cpu_seconds,
+            "retry_decision": retry_decision,
+        }
+        if last_step is not None:
+            values["last_step"] = last_step
+
+        def _end(conn: Connection) -> int:
+            return conn.execute(
+                sa.update(t)
+                .where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
+                .values(**values)
+            ).rowcount
+
+        if self._tx(_end) != 1:
+            raise UnknownAttemptError(run_id, attempt_no)
+        return self.get_attempt(run_id, attempt_no)
+
+    def set_retry_decision(self, run_id: str, attempt_no: int, decision: dict[str, Any]) -> None:
+        t = schema.training_attempts
+        self._tx(
+            lambda conn: conn.execute(
+                sa.update(t)
+                .where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
+                .values(retry_decision=decision)
+            )
+        )
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _require_current_token(self, conn: Connection, run_id: str, attempt_no: int, token: int) -> None:
+        # A no-op UPDATE guarded by the token: it both checks and takes the row's write lock,
+        # on SQLite and PostgreSQL alike, so no new attempt can slip in before we commit.
+        runs = schema.training_runs
+        matched = conn.execute(
+            sa.update(runs)
+            .where(runs.c.run_id == run_id, runs.c.fencing_token == token)
+            .values(fencing_token=runs.c.fencing_token)
+        ).rowcount
+        if matched != 1:
+            current = conn.execute(
+                sa.select(runs.c.fencing_token).where(runs.c.run_id == run_id)
+            ).scalar()
+            if current is None:
+                raise UnknownRunError(run_id)
+            raise StaleFencingTokenError(run_id, attempt_no, token, current)
+
+    def check_fencing_token(self, run_id: str, attempt_no: int, token: int) -> None:
+        """Raise :class:`StaleFencingTokenError` unless ``token`` is the run's current one."""
+        self._tx(lambda conn: self._require_current_token(conn, run_id, attempt_no, token))
+
+    def checkpoint_writing(
+        self,
+        *,
+        run_id: str,
+        attempt_no: int,
+        step: int,
+        path: str,
+        fencing_token: int,
+        parent_path: str | None = None,
+    ) -> None:
+        values = {
+            "path": path,
+            "run_id": run_id,
+            "attempt_no": attempt_no,
+            "step": step,
+            "state": str(CheckpointState.WRITING),
+            "created_at": utcnow(),
+            "parent_path": parent_path,
+            "fencing_token": fencing_token,
+        }
+        t = schema.checkpoints
+
+        def _insert(conn: Connection) -> None:
+            self._require_current_token(conn, run_id, attempt_no, fencing_token)
+            try:
+                with conn.begin_nested():
+                    conn.execute(sa.insert(t).values(**values))
+            except IntegrityError:
+                # A retried save of the same directory: start its record over.
+                conn.execute(sa.update(t).where(t.c.path == path).values(**values))
+
+        self._tx(_insert)
+
+    def commit_checkpoint(
+        self,
+        *,
+        run_id: str,
+        attempt_no: int,
+        path: str,
+        manifest_sha256: str,
+        size_bytes: int,
+        metrics: dict[str, Any] | None,
+        fencing_token: int,
+        step: int | None = None,
+        parent_path: str | None = None,
+    ) -> CheckpointRecord:
+        """Mark a checkpoint committed, refusing a stale attempt's commit."""
+        t = schema.checkpoints
+
+        def _commit(conn: Connection) -> None:
+            self._require_current_token(conn, run_id, attempt_no, fencing_token)
+            values = {
+                "manifest_sha256": manifest_sha256,
+                "bytes": size_bytes,
+                "metrics": metrics,
+                "state": str(CheckpointState.COMMITTED),
+                "committed_at": utcnow(),
+                "fencing_token": fencing_token,
+            }
+            updated = conn.execute(sa.update(t).where(t.c.path == path).values(**values)).rowcount
+            if updated == 0:
+                if step is None:
+                    raise ValueError(f"checkpoint {path} was never recorded as writing; pass step")
+                conn.execute(
+                    sa.insert(t).values(
+                        path=path,
+                        run_id=run_id,
+                        attempt_no=attempt_no,
+                        step=step,
+                        created_at=utcnow(),
+                        parent_path=parent_path,
+                        **values,
+                    )
+                )
+
+        self._tx(_commit)
+        return self.get_checkpoint(path)
+
+    def set_checkpoint_state(
+        self, path: str, state: CheckpointState, detail: str | None = None
+    ) -> None:
+        t = schema.checkpoints
+        self._tx(
+            lambda conn: conn.execute(
+                sa.update(t).where(t.c.path == path).values(state=str(state), state_detail=detail)
+            )
+        )
+
+    def get_checkpoint(self, path: str) -> CheckpointRecord:
+        t = schema.checkpoints
+        row = self._tx(lambda conn: conn.execute(sa.select(t).where(t.c.path == path)).first())
+        if row is None:
+            raise LookupError(f"checkpoint {path} is not in the ledger")
+        return CheckpointRecord.from_row(row)
+
+    def checkpoints(
+        self, run_id: str, states: Iterable[CheckpointState] | None = None
+    ) -> list[CheckpointRecord]:
+        """Checkpoints of a run, oldest step first."""
+        t = schema.checkpoints
+        query = sa.select(t).where(t.c.run_id == run_id).order_by(t.c.step, t.c.attempt_no)
+        if states is not None:
+            query = query.where(t.c.state.in_([str(s) for s in states]))
+        rows = self._tx(lambda conn: conn.execute(query).all())
+        return [CheckpointRecord.from_row(r) for r in rows]
+
+    def latest_committed_checkpoint(self, run_id: str) -> CheckpointRecord | None:
+        committed = self.checkpoints(run_id, [CheckpointState.COMMITTED])
+        return committed[-1] if committed else None
+
+    def referenced_checkpoint_paths(self) -> set[str]:
+        """Checkpoints an evaluation or promotion points at: retention must keep these."""
+        rows = self._tx(
+            lambda conn: conn.execute(
+                sa.union(
+                    sa.select(schema.evaluations.c.checkpoint_path),
+                    sa.select(schema.promotions.c.checkpoint_path),
+                )
+            ).all()
+        )
+        return {r[0] for r in rows}
+
+    # -- evaluations and promotions --------------------------------------------------------------
+
+    def record_evaluation(self, record: EvaluationRecord) -> EvaluationRecord:
+        values = _record_values(record, schema.evaluations)
+        self._tx(lambda conn: conn.execute(sa.insert(schema.evaluations).values(**values)))
+        return record
+
+    def evaluations_for_checkpoint(self, manifest_sha256: str) -> list[EvaluationRecord]:
+        t = schema.evaluations
+        rows = self._tx(
+            lambda conn: conn.execute(
+                sa.select(t)
+                .where(t.c.checkpoint_manifest_sha256 == manifest_sha256)
+                .order_by(t.c.started_at)
+            ).all()
+        )
+        return [EvaluationRecord.from_row(r) for r in rows]
+
+    def evaluations_for_run(self, run_id: str) -> list[EvaluationRecord]:
+        t = schema.evaluations
+        rows = self._tx(
+            lambda conn: conn.execute(
+                sa.select(t).where(t.c.run_id == run_id).order_by(t.c.started_at)
+            ).all()
+        )
+        return [EvaluationRecord.from_row(r) for r in rows]
+
+    def record_promotion(self, record: PromotionRecord) -> PromotionRecord:
+        values = _record_values(record, schema.promotions)
+        self._tx(lambda conn: conn.execute(sa.insert(schema.promotions).values(**values)))
+        return record
+
+    def promotions(
+        self,
+        *,
+        model_name: str | None = None,
+        run_id: str | None = None,
+        decision: PromotionDecision | None = None,
+    ) -> list[PromotionRecord]:
+        """Promotion decisions, newest first."""
+        t = schema.promotions
+        query = sa.select(t).order_by(t.c.decided_at.desc())
+        if model_name is not None:
+            query = query.where(t.c.model_name == model_name)
+        if run_id is not None:
+            query = query.where(t.c.run_id == run_id)
+        if decision is not None:
+            query = query.where(t.c.decision == str(decision))
+        rows = self._tx(lambda conn: conn.execute(query).all())
+        return [PromotionRecord.from_row(r) for r in rows]
+
+    def current_champion(self, model_name: str) -> PromotionRecord | None:
+        promoted = self.promotions(model_name=model_name, decision=PromotionDecision.PROMOTED)
+        return promoted[0] if promoted else None
+
+
+def _record_values(record: Any, table: sa.Table) -> dict[str, Any]:
+    names: Sequence[str] = [c.name for c in table.columns]
+    return {name: getattr(record, name) for name in names if hasattr(record, name)}

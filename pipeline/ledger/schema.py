@@ -1,0 +1,140 @@
+"""Ledger tables. Alembic migrations under ``migrations/versions`` create and evolve them.
+
+Every change here needs a new migration; ``tests/test_ledger.py`` fails when the two disagree.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = sa.MetaData()
+
+# JSONB on PostgreSQL so receipts can be queried; plain JSON text on SQLite.
+JSONType = sa.JSON().with_variant(JSONB(), "postgresql")
+UTCDateTime = sa.DateTime(timezone=True)
+
+training_runs = sa.Table(
+    "training_runs",
+    metadata,
+    sa.Column("run_id", sa.String(128), primary_key=True),
+    sa.Column("model_family", sa.String(64), nullable=False),
+    sa.Column("owner", sa.String(128), nullable=False),
+    sa.Column("purpose", sa.String(32), nullable=False),
+    sa.Column("config_sha256", sa.String(64), nullable=False),
+    sa.Column("snapshot_id", sa.String(128), nullable=False),
+    sa.Column("code_commit", sa.String(64)),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    # Bumped by every new attempt; a checkpoint commit must carry the current value.
+    sa.Column("fencing_token", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("retry_policy", JSONType),
+    sa.Index("ix_training_runs_snapshot", "snapshot_id", "model_family", "created_at"),
+)
+
+training_attempts = sa.Table(
+    "training_attempts",
+    metadata,
+    sa.Column("run_id", sa.String(128), sa.ForeignKey("training_runs.run_id"), primary_key=True),
+    sa.Column("attempt_no", sa.Integer, primary_key=True),
+    # Denormalised from the run so the seed question runs on this table alone.
+    sa.Column("model_family", sa.String(64), nullable=False),
+    sa.Column("dagster_run_id", sa.String(64)),
+    sa.Column("started_at", UTCDateTime, nullable=False),
+    sa.Column("heartbeat_at", UTCDateTime),
+    sa.Column("ended_at", UTCDateTime),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("termination_reason", sa.String(32)),
+    sa.Column("termination_detail", sa.Text),
+    sa.Column("exit_code", sa.Integer),
+    sa.Column("signal", sa.String(16)),
+    sa.Column("config_snapshot", JSONType, nullable=False),
+    sa.Column("config_sha256", sa.String(64), nullable=False),
+    sa.Column("data_manifest_sha256", sa.String(64), nullable=False),
+    sa.Column("container_digest", sa.String(80), nullable=False),
+    sa.Column("placement", JSONType, nullable=False),
+    sa.Column("code_commit", sa.String(64)),
+    sa.Column("gpu_seconds", sa.Float, nullable=False, server_default="0"),
+    sa.Column("cpu_seconds", sa.Float, nullable=False, server_default="0"),
+    sa.Column("last_step", sa.Integer),
+    sa.Column("resumed_from_checkpoint", sa.String(512)),
+    sa.Column("fencing_token", sa.Integer, nullable=False),
+    sa.Column("retry_decision", JSONType),
+    # The cost question filters on family and time and sums by reason: an index that covers it.
+    sa.Index(
+        "ix_training_attempts_family_started",
+        "model_family",
+        "started_at",
+        "termination_reason",
+        "gpu_seconds",
+    ),
+)
+
+checkpoints = sa.Table(
+    "checkpoints",
+    metadata,
+    sa.Column("path", sa.String(512), primary_key=True),
+    sa.Column("run_id", sa.String(128), sa.ForeignKey("training_runs.run_id"), nullable=False),
+    sa.Column("attempt_no", sa.Integer, nullable=False),
+    sa.Column("step", sa.Integer, nullable=False),
+    sa.Column("manifest_sha256", sa.String(64)),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("state_detail", sa.Text),
+    sa.Column("bytes", sa.BigInteger),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("committed_at", UTCDateTime),
+    sa.Column("metrics", JSONType),
+    sa.Column("parent_path", sa.String(512)),
+    sa.Column("fencing_token", sa.Integer, nullable=False),
+    sa.Index("ix_checkpoints_run_step", "run_id", "step"),
+)
+
+evaluations = sa.Table(
+    "evaluations",
+    metadata,
+    sa.Column("evaluation_id", sa.String(64), primary_key=True),
+    sa.Column("run_id", sa.String(128), sa.ForeignKey("training_runs.run_id"), nullable=False),
+    sa.Column("attempt_no", sa.Integer, nullable=False),
+    sa.Column("checkpoint_path", sa.String(512), nullable=False),
+    sa.Column("checkpoint_manifest_sha256", sa.String(64), nullable=False),
+    sa.Column("evaluator_name", sa.String(64), nullable=False),
+    sa.Column("evaluator_version", sa.String(80), nullable=False),
+    sa.Column("evaluator_env_digest", sa.String(80), nullable=False),
+    sa.Column("task_set_version", sa.String(80), nullable=False),
+    sa.Column("decoding_params", JSONType, nullable=False),
+    sa.Column("judge_model", sa.String(128), nullable=False),
+    sa.Column("rubric_version", sa.String(128), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("termination_reason", sa.String(32)),
+    sa.Column("detail", sa.Text),
+    sa.Column("metrics", JSONType),
+    sa.Column("slice_metrics", JSONType),
+    sa.Column("raw_outputs_uri", sa.String(1024)),
+    sa.Column("failures_uri", sa.String(1024)),
+    sa.Column("mlflow_run_id", sa.String(64)),
+    sa.Column("dagster_run_id", sa.String(64)),
+    sa.Column("started_at", UTCDateTime, nullable=False),
+    sa.Column("ended_at", UTCDateTime),
+    sa.Index("ix_evaluations_checkpoint", "checkpoint_manifest_sha256", "evaluator_name"),
+)
+
+promotions = sa.Table(
+    "promotions",
+    metadata,
+    sa.Column("promotion_id", sa.String(64), primary_key=True),
+    sa.Column("run_id", sa.String(128), sa.ForeignKey("training_runs.run_id"), nullable=False),
+    sa.Column("attempt_no", sa.Integer, nullable=False),
+    sa.Column("checkpoint_path", sa.String(512), nullable=False),
+    sa.Column("checkpoint_manifest_sha256", sa.String(64), nullable=False),
+    sa.Column("snapshot_id", sa.String(128), nullable=False),
+    sa.Column("decision", sa.String(16), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("evaluation_ids", JSONType, nullable=False),
+    sa.Column("gate", JSONType, nullable=False),
+    sa.Column("model_name", sa.String(128), nullable=False),
+    sa.Column("model_version", sa.String(32)),
+    sa.Column("previous_champion_version", sa.String(32)),
+    sa.Column("dagster_run_id", sa.String(64)),
+    sa.Column("decided_at", UTCDateTime, nullable=False),
+    sa.Index("ix_promotions_model", "model_name", "decided_at"),
+)

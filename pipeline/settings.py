@@ -1,0 +1,56 @@
+"""Where Tracks keeps things: one home folder by default, URLs for the ledger and MLflow."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_HOME = ".tracks"
+
+
+@dataclass(frozen=True)
+class TracksSettings:
+    """Locations of every store Tracks writes to. Build with :meth:`from_env`."""
+
+    home: Path
+    ledger_url: str
+    mlflow_tracking_uri: str
+    mlflow_artifact_root: Path
+    landing_root: Path
+    snapshot_root: Path
+    checkpoint_root: Path
+    work_root: Path
+
+    @classmethod
+    def from_env(cls, environ: os._Environ[str] | dict[str, str] | None = None) -> TracksSettings:
+        """Read ``TRACKS_HOME`` (default ``.tracks``), ``TRACKS_LEDGER_URL``, ``TRACKS_MLFLOW_URI``.
+
+        The defaults put everything under the home folder: SQLite for the ledger and
+        MLflow, plain directories for landing files, snapshots and checkpoints.
+        """
+        env = os.environ if environ is None else environ
+        home = Path(env.get("TRACKS_HOME", DEFAULT_HOME)).expanduser().resolve()
+        return cls(
+            home=home,
+            ledger_url=env.get("TRACKS_LEDGER_URL") or f"sqlite:///{home / 'ledger.db'}",
+            mlflow_tracking_uri=env.get("TRACKS_MLFLOW_URI") or f"sqlite:///{home / 'mlflow.db'}",
+            mlflow_artifact_root=Path(
+                env.get("TRACKS_MLFLOW_ARTIFACTS") or home / "mlartifacts"
+            ).resolve(),
+            landing_root=Path(env.get("TRACKS_LANDING") or home / "landing").resolve(),
+            snapshot_root=Path(env.get("TRACKS_SNAPSHOTS") or home / "snapshots").resolve(),
+            checkpoint_root=Path(env.get("TRACKS_CHECKPOINTS") or home / "checkpoints").resolve(),
+            work_root=(home / "work").resolve(),
+        )
+
+    def ensure_dirs(self) -> None:
+        for path in (
+            self.home,
+            self.mlflow_artifact_root,
+            self.landing_root,
+            self.snapshot_root,
+            self.checkpoint_root,
+            self.work_root,
+        ):
+            path.mkdir(parents=True, exist_ok=True)

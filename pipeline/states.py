@@ -1,0 +1,56 @@
+"""The words of DESIGN.md as enums: one word for one idea, in code, tables, CLI and UI."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Purpose(StrEnum):
+    BASELINE = "baseline"
+    TUNING = "tuning"
+    ABLATION = "ablation"
+    RECOVERY = "recovery"
+    CANARY = "canary"
+    SCHEDULED = "scheduled"
+
+
+class RunStatus(StrEnum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # stopped by the retry policy; its attempts say why
+
+
+class AttemptStatus(StrEnum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class TerminationReason(StrEnum):
+    SUCCEEDED = "succeeded"
+    PREEMPTED = "preempted"
+    INFRA_TRANSIENT = "infra_transient"
+    OOM = "oom"
+    BAD_INPUT = "bad_input"
+    DIVERGED = "diverged"
+    TIMEOUT = "timeout"
+    EVALUATOR_CRASH = "evaluator_crash"
+    USER_CODE_ERROR = "user_code_error"
+    CANCELLED = "cancelled"
+
+
+class CheckpointState(StrEnum):
+    WRITING = "writing"
+    COMMITTED = "committed"
+    SUPERSEDED = "superseded"
+    CORRUPT = "corrupt"  # failed verification; never a resume target again
+
+
+class EvaluationStatus(StrEnum):
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+class PromotionDecision(StrEnum):
+    PROMOTED = "promoted"
+    REFUSED = "refused"
