@@ -10,6 +10,13 @@ connection = context.config.attributes.get("connection")
 if connection is None:
     raise RuntimeError("run ledger migrations through pipeline.ledger.Ledger.upgrade()")
 
-context.configure(connection=connection, target_metadata=metadata, render_as_batch=True)
+# Our own version table: the ledger may share a database with MLflow or Dagster, which both
+# keep theirs in `alembic_version`.
+context.configure(
+    connection=connection,
+    target_metadata=metadata,
+    render_as_batch=True,
+    version_table="tracks_ledger_version",
+)
 with context.begin_transaction():
     context.run_migrations()

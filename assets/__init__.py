@@ -1,0 +1,11 @@
+"""Dagster assets and asset checks: data, training, evaluation, promotion."""
+
+from assets.data import data_snapshot
+from assets.evaluation import evaluation
+from assets.partitions import snapshot_partitions
+from assets.promotion import promoted_model
+from assets.training import committed_checkpoint, training_attempt
+
+ALL_ASSETS = [data_snapshot, training_attempt, committed_checkpoint, evaluation, promoted_model]
+
+__all__ = ["ALL_ASSETS", "snapshot_partitions"]

@@ -1,0 +1,80 @@
+"""``evaluation``: every registered evaluator on the committed checkpoint, with full provenance.
+
+Separate from training so an evaluator crash retries the evaluator, never the training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+
+from assets.lineage import upstream_metadata
+from assets.partitions import snapshot_partitions
+from resources import LedgerResource, MlflowResource, StorageResource, core_settings
+
+
+@dg.asset(
+    partitions_def=snapshot_partitions,
+    deps=["committed_checkpoint"],
+    group_name="evaluation",
+    kinds={"mlflow"},
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+    description="Evaluator results for exactly one committed checkpoint, logged to MLflow.",
+)
+def evaluation(
+    context: dg.AssetExecutionContext,
+    ledger: LedgerResource,
+    storage: StorageResource,
+    mlflow: MlflowResource,
+) -> dg.MaterializeResult:
+    from pipeline.data.snapshot import open_snapshot
+    from pipeline.evaluation import EVALUATORS, run_evaluation
+    from pipeline.states import EvaluationStatus
+
+    checkpoint = upstream_metadata(context, "committed_checkpoint", context.partition_key)
+    book = ledger.ledger()
+    settings = core_settings(storage, mlflow, ledger)
+    snapshot = open_snapshot(storage.snapshots() / context.partition_key)
+    checkpoint_dir = Path(checkpoint["path"])
+
+    # A retry after one evaluator crashed re-runs only what has no complete row yet.
+    done = {
+        (e.evaluator_name, e.evaluator_version): e
+        for e in book.evaluations_for_checkpoint(checkpoint["manifest_sha256"])
+        if e.status == EvaluationStatus.COMPLETE
+    }
+    records = []
+    for name, evaluator in EVALUATORS.items():
+        record = done.get((name, evaluator.version))
+        if record is None:
+            record = run_evaluation(
+                checkpoint_dir=checkpoint_dir,
+                snapshot=snapshot,
+                ledger=book,
+                settings=settings,
+                evaluator=evaluator,
+                run_id=checkpoint["run_id"],
+                attempt_no=int(checkpoint["attempt_no"]),
+                dagster_run_id=context.run_id,
+            )
+        else:
+            context.log.info(f"{name} already evaluated this checkpoint: {record.evaluation_id}")
+        records.append(record)
+
+    table = ["| evaluator | evaluation | metrics | MLflow run |", "|---|---|---|---|"]
+    for r in records:
+        metrics = ", ".join(f"{k}={v:.4f}" for k, v in sorted((r.metrics or {}).items()))
+        table.append(
+            f"| {r.evaluator_name} | `{r.evaluation_id}` | {metrics} | `{r.mlflow_run_id}` |"
+        )
+    metadata: dict[str, object] = {
+        "run_id": checkpoint["run_id"],
+        "checkpoint_manifest_sha256": checkpoint["manifest_sha256"],
+        "evaluation_ids": dg.MetadataValue.json([r.evaluation_id for r in records]),
+        "results": dg.MetadataValue.md("\n".join(table)),
+    }
+    for r in records:
+        for key, value in (r.metrics or {}).items():
+            metadata[f"{r.evaluator_name}/{key}"] = float(value)
+    return dg.MaterializeResult(metadata=metadata)

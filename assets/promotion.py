@@ -1,0 +1,70 @@
+"""``promoted_model``: the gate between an evaluated checkpoint and the served model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+
+from assets.lineage import upstream_metadata
+from assets.partitions import snapshot_partitions
+from resources import LedgerResource, MlflowResource, StorageResource, core_settings
+
+
+class PromotionConfig(dg.Config):
+    model_name: str = "digits-classifier"
+
+
+@dg.asset(
+    partitions_def=snapshot_partitions,
+    deps=["evaluation"],
+    group_name="promotion",
+    kinds={"mlflow"},
+    description=(
+        "Registers the checkpoint as an MLflow model version and moves the `champion` alias, "
+        "only with complete evaluation provenance and a passing quality gate."
+    ),
+)
+def promoted_model(
+    context: dg.AssetExecutionContext,
+    config: PromotionConfig,
+    ledger: LedgerResource,
+    storage: StorageResource,
+    mlflow: MlflowResource,
+) -> dg.MaterializeResult:
+    from pipeline.promotion import promote
+    from pipeline.states import PromotionDecision
+
+    checkpoint = upstream_metadata(context, "committed_checkpoint", context.partition_key)
+    decision = promote(
+        ledger=ledger.ledger(),
+        settings=core_settings(storage, mlflow, ledger),
+        run_id=checkpoint["run_id"],
+        attempt_no=int(checkpoint["attempt_no"]),
+        checkpoint_dir=Path(checkpoint["path"]),
+        snapshot_id=context.partition_key,
+        model_name=config.model_name,
+        dagster_run_id=context.run_id,
+    )
+    metadata = {
+        "promotion_id": decision.promotion_id,
+        "decision": str(decision.decision),
+        "reason": dg.MetadataValue.text(decision.reason),
+        "model_name": decision.model_name,
+        "model_version": decision.model_version or "none",
+        "previous_champion_version": decision.previous_champion_version or "none",
+        "run_id": decision.run_id,
+        "attempt_no": decision.attempt_no,
+        "checkpoint_manifest_sha256": decision.checkpoint_manifest_sha256,
+        "evaluation_ids": dg.MetadataValue.json(list(decision.evaluation_ids)),
+        "gate": dg.MetadataValue.json(decision.gate),
+    }
+    if decision.decision != PromotionDecision.PROMOTED:
+        # The refusal is already in the ledger; failing the step makes the run say why.
+        raise dg.Failure(
+            description=f"promotion refused: {decision.reason}",
+            metadata=metadata,
+            allow_retries=False,
+        )
+    context.log.info(f"{decision.model_name} version {decision.model_version} is now champion")
+    return dg.MaterializeResult(metadata=metadata)

@@ -1,0 +1,184 @@
+"""``tracks``: the command line of Tracks.
+
+Most commands use only the core. ``tracks demo`` and ``tracks instance`` reach for Dagster,
+imported inside those commands so the rest of the CLI works without an orchestrator.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+from pipeline.settings import TracksSettings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+LOCAL_INSTANCE_YAML = """\
+# Written by `tracks instance init`: the embedded default instance (SQLite, local files).
+# For PostgreSQL, run `tracks instance init --postgres` (copies the repository's dagster.yaml).
+telemetry:
+  enabled: false
+run_retries:
+  enabled: false  # the resume sensor owns retries of preempted runs
+"""
+
+
+def _settings() -> TracksSettings:
+    settings = TracksSettings.from_env()
+    settings.ensure_dirs()
+    return settings
+
+
+def _ledger(settings: TracksSettings):  # noqa: ANN202 - keep SQLAlchemy out of import time
+    from pipeline.ledger import Ledger
+
+    return Ledger.open(settings.ledger_url)
+
+
+def _dagster_home(settings: TracksSettings) -> Path:
+    home = Path(os.environ.get("DAGSTER_HOME") or settings.home / "dagster")
+    os.environ["DAGSTER_HOME"] = str(home)
+    return home
+
+
+@click.group()
+def main() -> None:
+    """Tracks: train, evaluate and promote PyTorch models, and leave a receipt for every attempt."""
+
+
+@main.group()
+def landing() -> None:
+    """Write landing files."""
+
+
+@landing.command("digits")
+@click.option("--landing-dir", type=click.Path(path_type=Path), help="Default: $TRACKS_HOME/landing.")
+@click.option("--drift", type=click.Choice(["renamed_column", "label_out_of_range",
+                                              "pixel_out_of_range", "nulls"]),
+              help="Write bad data on purpose (drills, tests).")
+@click.option("--file-name", help="Name of the Parquet file to write.")
+def landing_digits(landing_dir: Path | None, drift: str | None, file_name: str | None) -> None:
+    """Write scikit-learn's handwritten digits as a landing Parquet file."""
+    from pipeline.data.landing import Drift, write_digits_landing
+
+    target = landing_dir or _settings().landing_root
+    path = write_digits_landing(target, drift=Drift(drift) if drift else None, file_name=file_name)
+    click.echo(str(path))
+
+
+@main.command("snapshot-id")
+@click.option("--landing-dir", type=click.Path(path_type=Path))
+def snapshot_id(landing_dir: Path | None) -> None:
+    """Print the content-addressed snapshot id of the landing files."""
+    from pipeline.data.snapshot import snapshot_id_for
+
+    click.echo(snapshot_id_for(landing_dir or _settings().landing_root))
+
+
+@main.group()
+def instance() -> None:
+    """The Dagster instance (DAGSTER_HOME)."""
+
+
+@instance.command("init")
+@click.option("--postgres", is_flag=True, help="Use the repository's dagster.yaml (PostgreSQL).")
+def instance_init(postgres: bool) -> None:
+    """Write dagster.yaml into DAGSTER_HOME (default $TRACKS_HOME/dagster)."""
+    home = _dagster_home(_settings())
+    _write_instance_yaml(home, postgres=postgres)
+    click.echo(f"DAGSTER_HOME={home}")
+
+
+def _write_instance_yaml(home: Path, *, postgres: bool) -> None:
+    home.mkdir(parents=True, exist_ok=True)
+    target = home / "dagster.yaml"
+    if postgres:
+        shutil.copyfile(REPO_ROOT / "dagster.yaml", target)
+    elif not target.exists():
+        target.write_text(LOCAL_INSTANCE_YAML)
+
+
+@main.command()
+@click.option("--fresh-data/--reuse-data", default=False,
+              help="Rewrite the landing file even if one exists.")
+def demo(fresh_data: bool) -> None:
+    """Land the digits, then snapshot → train → checkpoint → evaluate → promote, in Dagster."""
+    import dagster as dg
+
+    from pipeline.data.landing import landing_files, write_digits_landing
+    from pipeline.data.snapshot import snapshot_id_for
+    from pipeline.explain import explain
+
+    settings = _settings()
+    _write_instance_yaml(_dagster_home(settings), postgres=False)
+    if fresh_data or not landing_files(settings.landing_root):
+        write_digits_landing(settings.landing_root)
+    snapshot = snapshot_id_for(settings.landing_root)
+    click.echo(f"snapshot {snapshot} from {settings.landing_root}")
+
+    from pipeline.definitions import defs
+    from sensors import materialize_snapshot
+
+    with dg.DagsterInstance.get() as dagster_instance:
+        result = materialize_snapshot(defs, dagster_instance, snapshot)
+        if not result.success:
+            for event in result.all_events:
+                if event.is_step_failure and event.step_failure_data:
+                    error = event.step_failure_data.error
+                    click.echo(f"step {event.step_key} failed: {error.message if error else ''}",
+                               err=True)
+            raise click.ClickException(f"Dagster run {result.run_id} failed")
+        promotion = result.asset_materializations_for_node("promoted_model")[-1].metadata
+        click.echo(f"Dagster run {result.run_id} succeeded")
+    click.echo(
+        f"champion: {promotion['model_name'].value} version {promotion['model_version'].value} "
+        f"(models:/{promotion['model_name'].value}@champion)"
+    )
+    click.echo("")
+    click.echo(explain(_ledger(settings), promotion["run_id"].value))
+
+
+@main.command("explain")
+@click.argument("target")
+def explain_cmd(target: str) -> None:
+    """The one-page story of a run (RUN_ID) or an attempt (RUN_ID#N)."""
+    from pipeline.explain import explain
+    from pipeline.ledger import LedgerError
+
+    try:
+        click.echo(explain(_ledger(_settings()), target))
+    except LedgerError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@main.command("attempts")
+@click.option("--family", help="Model family.")
+@click.option("--reason", help="Termination reason.")
+@click.option("--limit", default=20, show_default=True)
+def attempts_cmd(family: str | None, reason: str | None, limit: int) -> None:
+    """List attempts, newest first."""
+    rows = _ledger(_settings()).list_attempts(
+        model_family=family, termination_reason=reason, limit=limit
+    )
+    click.echo(f"{'attempt':<60} {'started':<20} {'reason':<16} detail")
+    for a in rows:
+        click.echo(
+            f"{a.key:<60} {a.started_at:%Y-%m-%d %H:%M:%S} {a.termination_reason or a.status:<16} "
+            f"{a.termination_detail or ''}"
+        )
+
+
+@main.command("ledger-upgrade")
+def ledger_upgrade() -> None:
+    """Bring the ledger schema to the newest migration."""
+    settings = _settings()
+    _ledger(settings)
+    click.echo(f"ledger at {settings.ledger_url} is up to date")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

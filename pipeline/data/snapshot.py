@@ -1,0 +1,301 @@
+"""Immutable, content-addressed snapshots of landing data, each with a manifest.
+
+Layout::
+
+    <snapshot_root>/<snapshot_id>/
+        manifest.json   snapshot id, files (name, bytes, sha256, rows), row count, columns
+        data/…          the landing files, byte for byte, read-only
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow.parquet as pq
+
+from pipeline.data._fs import fsync_dir, fsync_file
+from pipeline.data.errors import (
+    LandingChangedError,
+    NoLandingFilesError,
+    SnapshotIntegrityError,
+    SnapshotMismatchError,
+    SnapshotNotFoundError,
+)
+from pipeline.data.landing import landing_files
+from pipeline.digests import sha256_bytes, sha256_file, sha256_json
+
+SNAPSHOT_ID_PREFIX = "digits-"
+MANIFEST_NAME = "manifest.json"
+DATA_DIR = "data"
+MANIFEST_VERSION = 1
+_READ_ONLY = 0o444
+_CHUNK = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LandingFile:
+    """One landing file as it will be named in a snapshot: relative name, size, content hash."""
+
+    name: str
+    path: Path
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An opened snapshot: where it lives and what its manifest promises."""
+
+    snapshot_id: str
+    path: Path
+    manifest: dict[str, Any]
+    manifest_sha256: str
+    row_count: int
+
+    @property
+    def data_dir(self) -> Path:
+        return self.path / DATA_DIR
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / MANIFEST_NAME
+
+
+def describe_landing(landing_dir: Path) -> list[LandingFile]:
+    """Name, size and sha256 of every landing file; raises if there are none."""
+    landing_dir = Path(landing_dir)
+    paths = landing_files(landing_dir)
+    if not paths:
+        raise NoLandingFilesError(landing_dir)
+    return [
+        LandingFile(
+            name=path.relative_to(landing_dir).as_posix(),
+            path=path,
+            bytes=path.stat().st_size,
+            sha256=sha256_file(path),
+        )
+        for path in paths
+    ]
+
+
+def snapshot_id_for(landing_dir: Path) -> str:
+    """The id a snapshot of ``landing_dir`` would get: same bytes, same id; any change, new id."""
+    return _snapshot_id((f.name, f.sha256, f.bytes) for f in describe_landing(landing_dir))
+
+
+def create_snapshot(
+    landing_dir: Path,
+    snapshot_root: Path,
+    *,
+    expected_id: str | None = None,
+    source: str | None = None,
+) -> Snapshot:
+    """Copy the landing files into ``snapshot_root/<snapshot_id>`` and write its manifest.
+
+    The snapshot appears in one rename, complete and read-only. If it already exists it is
+    verified and returned unchanged (snapshots are immutable). ``expected_id`` guards a
+    partition registered earlier: if the landing data now hashes differently, raise
+    :class:`SnapshotMismatchError` rather than snapshot something else under its name.
+    """
+    landing_dir = Path(landing_dir)
+    snapshot_root = Path(snapshot_root)
+    files = describe_landing(landing_dir)
+    snapshot_id = _snapshot_id((f.name, f.sha256, f.bytes) for f in files)
+    if expected_id is not None and snapshot_id != expected_id:
+        raise SnapshotMismatchError(landing_dir, expected_id, snapshot_id)
+
+    final = snapshot_root / snapshot_id
+    if final.exists():
+        return _open_verified(final)
+
+    snapshot_root.mkdir(parents=True, exist_ok=True)
+    # Staging is hidden and lives beside its final name, so the rename is atomic and a
+    # reader listing snapshot_root sees either nothing or the whole snapshot.
+    staging = Path(tempfile.mkdtemp(prefix=f".staging-{snapshot_id}-", dir=snapshot_root))
+    try:
+        entries = [_copy_into(f, staging / DATA_DIR, snapshot_id) for f in files]
+        manifest = {
+            "manifest_version": MANIFEST_VERSION,
+            "snapshot_id": snapshot_id,
+            "created_at": datetime.now(UTC).isoformat(),
+            "source": source if source is not None else str(landing_dir.resolve()),
+            "files": entries,
+            "row_count": sum(e["rows"] for e in entries),
+            "columns": _columns(staging / DATA_DIR, entries),
+        }
+        manifest_path = staging / MANIFEST_NAME
+        manifest_path.write_bytes(_manifest_bytes(manifest))
+        fsync_file(manifest_path)
+        for path in (manifest_path, *(staging / DATA_DIR / e["name"] for e in entries)):
+            os.chmod(path, _READ_ONLY)
+        os.chmod(staging, 0o755)  # mkdtemp makes 0o700; trainers may run as another user
+        fsync_dir(staging)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            # Another writer won the race with the same content; theirs is as good as ours.
+            if not final.exists():
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
+            return _open_verified(final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fsync_dir(snapshot_root)
+    return open_snapshot(final)
+
+
+def open_snapshot(snapshot_root_or_dir: Path, snapshot_id: str | None = None) -> Snapshot:
+    """Open ``snapshot_root/snapshot_id``, or the snapshot dir itself when no id is given.
+
+    Reads the manifest only; call :func:`verify_snapshot` to re-hash the data.
+    """
+    path = Path(snapshot_root_or_dir)
+    if snapshot_id is not None:
+        path = path / snapshot_id
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise SnapshotNotFoundError(path)
+    raw = manifest_path.read_bytes()
+    try:
+        manifest = json.loads(raw)
+        found_id = manifest["snapshot_id"]
+        row_count = int(manifest["row_count"])
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SnapshotIntegrityError(
+            path, [(MANIFEST_NAME, f"unreadable manifest ({type(exc).__name__}: {exc})")]
+        ) from exc
+    if not isinstance(files, list):
+        raise SnapshotIntegrityError(path, [(MANIFEST_NAME, "'files' is not a list")])
+    if found_id != path.name:
+        raise SnapshotIntegrityError(
+            path, [(MANIFEST_NAME, f"names snapshot {found_id!r} but lives in {path.name!r}")]
+        )
+    return Snapshot(
+        snapshot_id=found_id,
+        path=path,
+        manifest=manifest,
+        manifest_sha256=sha256_bytes(raw),
+        row_count=row_count,
+    )
+
+
+def verify_snapshot(snapshot: Snapshot) -> None:
+    """Re-hash every file against the manifest; raise :class:`SnapshotIntegrityError` on drift.
+
+    Names each file that is missing, unexpected, or differs in size or sha256, and a
+    manifest that was edited after the snapshot was opened or no longer matches its id.
+    """
+    problems: list[tuple[str, str]] = []
+    manifest_path = snapshot.manifest_path
+    if not manifest_path.is_file():
+        problems.append((MANIFEST_NAME, "missing"))
+    elif (actual := sha256_file(manifest_path)) != snapshot.manifest_sha256:
+        problems.append(
+            (MANIFEST_NAME, f"sha256 {actual} differs from {snapshot.manifest_sha256} at open")
+        )
+
+    entries = snapshot.manifest["files"]
+    content_id = _snapshot_id((e["name"], e["sha256"], e["bytes"]) for e in entries)
+    if content_id != snapshot.snapshot_id:
+        problems.append(
+            (MANIFEST_NAME, f"file list hashes to {content_id}, not {snapshot.snapshot_id}")
+        )
+
+    listed = set()
+    for entry in entries:
+        name = entry["name"]
+        listed.add(name)
+        path = snapshot.data_dir / name
+        relative = f"{DATA_DIR}/{name}"
+        if not path.is_file():
+            problems.append((relative, "missing"))
+            continue
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            problems.append((relative, f"size {size} bytes, manifest says {entry['bytes']}"))
+            continue
+        digest = sha256_file(path)
+        if digest != entry["sha256"]:
+            problems.append((relative, f"sha256 {digest}, manifest says {entry['sha256']}"))
+
+    if snapshot.data_dir.is_dir():
+        for path in sorted(snapshot.data_dir.rglob("*")):
+            name = path.relative_to(snapshot.data_dir).as_posix()
+            if path.is_file() and name not in listed:
+                problems.append((f"{DATA_DIR}/{name}", "not in the manifest"))
+
+    if problems:
+        raise SnapshotIntegrityError(snapshot.path, problems)
+
+
+def read_snapshot_frame(snapshot: Snapshot, *, verify: bool = True) -> pd.DataFrame:
+    """All rows of the snapshot's files, in manifest order (verified first unless told not to)."""
+    if verify:
+        verify_snapshot(snapshot)
+    frames = [
+        pq.read_table(snapshot.data_dir / entry["name"]).to_pandas()
+        for entry in snapshot.manifest["files"]
+    ]
+    return pd.concat(frames, ignore_index=True) if len(frames) != 1 else frames[0]
+
+
+def _snapshot_id(entries: Any) -> str:
+    canonical = [[name, sha256, size] for name, sha256, size in entries]
+    return SNAPSHOT_ID_PREFIX + sha256_json(canonical)[:16]
+
+
+def _open_verified(path: Path) -> Snapshot:
+    snapshot = open_snapshot(path)
+    verify_snapshot(snapshot)
+    return snapshot
+
+
+def _copy_into(landing: LandingFile, data_dir: Path, snapshot_id: str) -> dict[str, Any]:
+    target = data_dir / landing.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Hash while copying: the id was computed from an earlier read, and a producer still
+    # writing would otherwise slip different bytes in under that id.
+    digest = hashlib.sha256()
+    size = 0
+    with open(landing.path, "rb") as source, open(target, "wb") as sink:
+        while chunk := source.read(_CHUNK):
+            digest.update(chunk)
+            sink.write(chunk)
+            size += len(chunk)
+        sink.flush()
+        os.fsync(sink.fileno())
+    if digest.hexdigest() != landing.sha256 or size != landing.bytes:
+        raise LandingChangedError(landing.path, snapshot_id)
+    return {
+        "name": landing.name,
+        "bytes": size,
+        "sha256": landing.sha256,
+        "rows": pq.ParquetFile(target).metadata.num_rows,
+    }
+
+
+def _columns(data_dir: Path, entries: list[dict[str, Any]]) -> list[dict[str, str]]:
+    # Union in order of first appearance; a column whose type differs between files lists
+    # every type seen ("int64|double"), so the manifest shows the disagreement.
+    dtypes: dict[str, list[str]] = {}
+    for entry in entries:
+        for field in pq.read_schema(data_dir / entry["name"]):
+            seen = dtypes.setdefault(field.name, [])
+            if str(field.type) not in seen:
+                seen.append(str(field.type))
+    return [{"name": name, "dtype": "|".join(types)} for name, types in dtypes.items()]
+
+
+def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()

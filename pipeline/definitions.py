@@ -1,0 +1,67 @@
+"""The one place the Dagster ``Definitions`` are assembled.
+
+Resources are chosen per deployment by ``TRACKS_ENV`` (``local`` by default): SQLite and local
+folders under ``TRACKS_HOME`` locally; PostgreSQL URLs (required) in ``production``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from assets import ALL_ASSETS
+from pipeline.settings import TracksSettings
+from resources import LedgerResource, MlflowResource, StorageResource, TrainerLauncherResource
+from sensors import train_evaluate_promote
+
+
+class DeploymentError(Exception):
+    pass
+
+
+def _resources(settings: TracksSettings) -> dict[str, dg.ConfigurableResource]:
+    return {
+        "ledger": LedgerResource(url=settings.ledger_url),
+        "storage": StorageResource(
+            landing_root=str(settings.landing_root),
+            snapshot_root=str(settings.snapshot_root),
+            checkpoint_root=str(settings.checkpoint_root),
+            work_root=str(settings.work_root),
+        ),
+        "mlflow": MlflowResource(
+            tracking_uri=settings.mlflow_tracking_uri,
+            artifact_root=str(settings.mlflow_artifact_root),
+        ),
+        "trainer": TrainerLauncherResource(),
+    }
+
+
+def resources_for(env_name: str, settings: TracksSettings) -> dict[str, dg.ConfigurableResource]:
+    """Resources for a deployment: ``local`` or ``production``."""
+    if env_name == "local":
+        return _resources(settings)
+    if env_name == "production":
+        for name, url in (
+            ("TRACKS_LEDGER_URL", settings.ledger_url),
+            ("TRACKS_MLFLOW_URI", settings.mlflow_tracking_uri),
+        ):
+            if not url.startswith("postgresql"):
+                raise DeploymentError(
+                    f"TRACKS_ENV=production needs {name} to be a PostgreSQL URL, got {url!r}"
+                )
+        return _resources(settings)
+    raise DeploymentError(f"TRACKS_ENV must be 'local' or 'production', got {env_name!r}")
+
+
+def build_definitions(settings: TracksSettings | None = None) -> dg.Definitions:
+    settings = settings or TracksSettings.from_env()
+    settings.ensure_dirs()
+    return dg.Definitions(
+        assets=ALL_ASSETS,
+        jobs=[train_evaluate_promote],
+        resources=resources_for(os.environ.get("TRACKS_ENV", "local"), settings),
+    )
+
+
+defs = build_definitions()

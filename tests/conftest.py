@@ -1,0 +1,65 @@
+"""Shared fixtures: an isolated TRACKS_HOME, a real PostgreSQL database per test, digits data."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+PG_ADMIN_URL = os.environ.get(
+    "TRACKS_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
+)
+
+
+@pytest.fixture
+def tracks_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh TRACKS_HOME (and DAGSTER_HOME inside it) for one test."""
+    home = tmp_path / "tracks"
+    monkeypatch.setenv("TRACKS_HOME", str(home))
+    monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))
+    for name in ("TRACKS_LEDGER_URL", "TRACKS_MLFLOW_URI", "TRACKS_ENV"):
+        monkeypatch.delenv(name, raising=False)
+    (home / "dagster").mkdir(parents=True)
+    return home
+
+
+def _admin_engine() -> sa.Engine:
+    return sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+
+
+@pytest.fixture
+def pg_database() -> Iterator[str]:
+    """A brand-new PostgreSQL database on the local server; dropped afterwards."""
+    name = f"tracks_test_{secrets.token_hex(4)}"
+    admin = _admin_engine()
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    except sa.exc.OperationalError as exc:  # pragma: no cover - environment problem
+        pytest.fail(
+            f"PostgreSQL at {PG_ADMIN_URL} is not reachable ({exc.orig}); "
+            "start it with .ci/run or pg_ctlcluster"
+        )
+    url = sa.engine.make_url(PG_ADMIN_URL).set(database=name)
+    yield url.render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.execute(
+            sa.text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = :name AND pid <> pg_backend_pid()"
+            ),
+            {"name": name},
+        )
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}"'))
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ledger.db'}"
+    return request.getfixturevalue("pg_database")
