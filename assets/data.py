@@ -1,7 +1,5 @@
 """``data_snapshot`` and its checks: the immutable, content-addressed input of every run."""
 
-from __future__ import annotations
-
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,37 +27,19 @@ def _check_result(name: str, outcome: Any, severity: dg.AssetCheckSeverity) -> d
         description=outcome.summary,
         metadata={
             "summary": dg.MetadataValue.text(outcome.summary),
-            "failures": dg.MetadataValue.json(
-                [
-                    {
-                        "column": f.column,
-                        "rule": f.rule,
-                        "failing_count": f.failing_count,
-                        "examples": list(f.examples),
-                    }
-                    for f in outcome.failures
-                ]
-            ),
+            "failures": dg.MetadataValue.json([f.to_dict() for f in outcome.failures]),
         },
     )
 
 
 def _previous_snapshot_frame(storage: StorageResource, current_id: str) -> Any:
-    from pipeline.data.snapshot import open_snapshot, read_snapshot_frame
+    from pipeline.data.snapshot import list_snapshots, read_snapshot_frame
 
-    # The newest other snapshot on disk is "previous": snapshots are immutable, so mtime is
-    # the order they were made in.
-    candidates = sorted(
-        (
-            p
-            for p in storage.snapshots().iterdir()
-            if p.is_dir() and p.name != current_id and (p / "manifest.json").exists()
-        ),
-        key=lambda p: (p / "manifest.json").stat().st_mtime,
-    )
-    if not candidates:
+    # Drift only warns: an unreadable older snapshot must not fail this one, so no verification.
+    previous = [s for s in list_snapshots(storage.snapshots()) if s.snapshot_id != current_id]
+    if not previous:
         return None
-    return read_snapshot_frame(open_snapshot(candidates[-1]))
+    return read_snapshot_frame(previous[-1], verify=False)
 
 
 @dg.asset(

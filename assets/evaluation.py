@@ -3,8 +3,6 @@
 Separate from training so an evaluator crash retries the evaluator, never the training.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 
 import dagster as dg

@@ -1,7 +1,5 @@
 """``promoted_model``: the gate between an evaluated checkpoint and the served model."""
 
-from __future__ import annotations
-
 from pathlib import Path
 
 import dagster as dg

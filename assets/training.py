@@ -1,6 +1,4 @@
-"""``training_attempt`` runs the trainer through Pipes; ``committed_checkpoint`` verifies its result."""
-
-from __future__ import annotations
+"""``training_attempt`` runs the trainer through Pipes; ``committed_checkpoint`` verifies it."""
 
 import secrets
 from datetime import UTC, datetime

@@ -33,7 +33,7 @@ def _settings() -> TracksSettings:
     return settings
 
 
-def _ledger(settings: TracksSettings):  # noqa: ANN202 - keep SQLAlchemy out of import time
+def _ledger(settings: TracksSettings):
     from pipeline.ledger import Ledger
 
     return Ledger.open(settings.ledger_url)
@@ -56,10 +56,14 @@ def landing() -> None:
 
 
 @landing.command("digits")
-@click.option("--landing-dir", type=click.Path(path_type=Path), help="Default: $TRACKS_HOME/landing.")
-@click.option("--drift", type=click.Choice(["renamed_column", "label_out_of_range",
-                                              "pixel_out_of_range", "nulls"]),
-              help="Write bad data on purpose (drills, tests).")
+@click.option(
+    "--landing-dir", type=click.Path(path_type=Path), help="Default: $TRACKS_HOME/landing."
+)
+@click.option(
+    "--drift",
+    type=click.Choice(["renamed_column", "label_out_of_range", "pixel_out_of_range", "nulls"]),
+    help="Write bad data on purpose (drills, tests).",
+)
 @click.option("--file-name", help="Name of the Parquet file to write.")
 def landing_digits(landing_dir: Path | None, drift: str | None, file_name: str | None) -> None:
     """Write scikit-learn's handwritten digits as a landing Parquet file."""
@@ -103,8 +107,9 @@ def _write_instance_yaml(home: Path, *, postgres: bool) -> None:
 
 
 @main.command()
-@click.option("--fresh-data/--reuse-data", default=False,
-              help="Rewrite the landing file even if one exists.")
+@click.option(
+    "--fresh-data/--reuse-data", default=False, help="Rewrite the landing file even if one exists."
+)
 def demo(fresh_data: bool) -> None:
     """Land the digits, then snapshot → train → checkpoint → evaluate → promote, in Dagster."""
     import dagster as dg
@@ -129,8 +134,9 @@ def demo(fresh_data: bool) -> None:
             for event in result.all_events:
                 if event.is_step_failure and event.step_failure_data:
                     error = event.step_failure_data.error
-                    click.echo(f"step {event.step_key} failed: {error.message if error else ''}",
-                               err=True)
+                    click.echo(
+                        f"step {event.step_key} failed: {error.message if error else ''}", err=True
+                    )
             raise click.ClickException(f"Dagster run {result.run_id} failed")
         promotion = result.asset_materializations_for_node("promoted_model")[-1].metadata
         click.echo(f"Dagster run {result.run_id} succeeded")

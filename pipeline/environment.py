@@ -25,7 +25,11 @@ def container_digest() -> str:
     if image:
         return image
     dists = sorted(
-        {(d.metadata["Name"].lower(), d.version) for d in metadata.distributions() if d.metadata["Name"]}
+        {
+            (d.metadata["Name"].lower(), d.version)
+            for d in metadata.distributions()
+            if d.metadata["Name"]
+        }
     )
     return "env:sha256:" + sha256_json(dists)[:64]
 
@@ -46,7 +50,10 @@ def code_commit(repo: str | Path | None = None) -> str | None:
         return None
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=no"],
-        cwd=cwd, capture_output=True, text=True, timeout=5,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=5,
     ).stdout.strip()
     return commit + ("-dirty" if dirty else "")
 

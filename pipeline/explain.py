@@ -17,7 +17,9 @@ def _parse_target(target: str) -> tuple[str, int | None]:
     return target, None
 
 
-def _config_changes(previous: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+def _config_changes(
+    previous: dict[str, Any], current: dict[str, Any], prefix: str = ""
+) -> list[str]:
     changes = []
     for key in sorted(set(previous) | set(current)):
         before, after = previous.get(key), current.get(key)
@@ -33,7 +35,12 @@ def _when(value: Any) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S UTC") if value is not None else "—"
 
 
+def _or_dash(value: Any) -> str:
+    return "—" if value is None or value == "" else str(value)
+
+
 def _attempt_section(attempt: AttemptRecord, previous: AttemptRecord | None) -> list[str]:
+    p = attempt.placement or {}
     lines = [
         f"### Attempt {attempt.attempt_no} — {attempt.termination_reason or attempt.status}",
         "",
@@ -41,33 +48,34 @@ def _attempt_section(attempt: AttemptRecord, previous: AttemptRecord | None) -> 
         f"last heartbeat {_when(attempt.heartbeat_at)}",
         f"- **Termination**: {attempt.termination_reason or 'still running'} — "
         f"{attempt.termination_detail or 'no detail recorded'}",
-        f"- **Exit**: code {attempt.exit_code if attempt.exit_code is not None else '—'}, "
-        f"signal {attempt.signal or '—'}; last step {attempt.last_step if attempt.last_step is not None else '—'}",
+        f"- **Exit**: code {_or_dash(attempt.exit_code)}, signal {_or_dash(attempt.signal)}; "
+        f"last step {_or_dash(attempt.last_step)}",
         f"- **Resumed from**: {attempt.resumed_from_checkpoint or 'nothing (fresh start)'}",
-        f"- **Config** sha256 `{attempt.config_sha256[:16]}`; data manifest `{attempt.data_manifest_sha256[:16]}`",
+        f"- **Config** sha256 `{attempt.config_sha256[:16]}`; "
+        f"data manifest `{attempt.data_manifest_sha256[:16]}`",
     ]
     if previous is not None:
         changes = _config_changes(previous.config_snapshot, attempt.config_snapshot)
         lines.append(
-            "- **Changed from attempt "
-            f"{previous.attempt_no}**: " + ("; ".join(changes) if changes else "nothing")
+            f"- **Changed from attempt {previous.attempt_no}**: "
+            + ("; ".join(changes) if changes else "nothing")
         )
-    p = attempt.placement or {}
-    lines.append(
-        f"- **Where**: host {p.get('host', '—')}, pod {p.get('pod') or '—'}, node {p.get('node') or '—'}, "
-        f"{p.get('accelerator_count', 0)}× {p.get('accelerator_type', '—')}, torch {p.get('torch_version', '—')}, "
-        f"CUDA {p.get('cuda_version') or 'none'}, world size {p.get('world_size', 1)}"
-    )
-    lines.append(
-        f"- **Cost**: {attempt.gpu_seconds:.0f} GPU-seconds, {attempt.cpu_seconds:.0f} CPU-seconds; "
-        f"container `{attempt.container_digest[:40]}`; code {attempt.code_commit or 'unknown'}"
-    )
-    decision = attempt.retry_decision
-    lines.append(
+    lines += [
+        f"- **Where**: host {_or_dash(p.get('host'))}, pod {_or_dash(p.get('pod'))}, "
+        f"node {_or_dash(p.get('node'))}, {p.get('accelerator_count', 0)} x "
+        f"{_or_dash(p.get('accelerator_type'))}, torch {_or_dash(p.get('torch_version'))}, "
+        f"CUDA {p.get('cuda_version') or 'none'}, world size {p.get('world_size', 1)}",
+        f"- **Cost**: {attempt.gpu_seconds:.0f} GPU-seconds, "
+        f"{attempt.cpu_seconds:.0f} CPU-seconds; container `{attempt.container_digest[:40]}`; "
+        f"code {attempt.code_commit or 'unknown'}",
         "- **Retry decision**: "
-        + (json.dumps(decision, sort_keys=True) if decision else "none recorded")
-    )
-    lines.append(f"- **Dagster run**: {attempt.dagster_run_id or '— (run outside Dagster)'}")
+        + (
+            json.dumps(attempt.retry_decision, sort_keys=True)
+            if attempt.retry_decision
+            else "none recorded"
+        ),
+        f"- **Dagster run**: {attempt.dagster_run_id or '— (run outside Dagster)'}",
+    ]
     return lines
 
 
@@ -81,8 +89,9 @@ def render_run(ledger: Ledger, run: RunRecord, focus_attempt: int | None = None)
     out = [
         title,
         "",
-        f"**{run.model_family}** for **{run.owner}** ({run.purpose}), created {_when(run.created_at)}; "
-        f"status **{run.status}** after {len(attempts)} attempt(s).",
+        f"**{run.model_family}** for **{run.owner}** ({run.purpose}), "
+        f"created {_when(run.created_at)}; status **{run.status}** "
+        f"after {len(attempts)} attempt(s).",
         "",
         "## What was tried",
         "",
@@ -104,10 +113,15 @@ def render_run(ledger: Ledger, run: RunRecord, focus_attempt: int | None = None)
         previous = attempt
     out += ["## Checkpoint lineage", ""]
     if checkpoints:
-        out += ["| step | attempt | state | parent | manifest | metrics |", "|---:|---:|---|---|---|---|"]
+        out += [
+            "| step | attempt | state | parent | manifest | metrics |",
+            "|---:|---:|---|---|---|---|",
+        ]
         for c in checkpoints:
             parent = c.parent_path.rsplit("/", 1)[-1] if c.parent_path else "—"
-            metrics = ", ".join(f"{k}={v:.4g}" for k, v in (c.metrics or {}).items() if isinstance(v, int | float))
+            metrics = ", ".join(
+                f"{k}={v:.4g}" for k, v in (c.metrics or {}).items() if isinstance(v, int | float)
+            )
             out.append(
                 f"| {c.step} | {c.attempt_no} | {c.state} | {parent} | "
                 f"`{(c.manifest_sha256 or '')[:12]}` | {metrics} |"
@@ -119,7 +133,9 @@ def render_run(ledger: Ledger, run: RunRecord, focus_attempt: int | None = None)
         out += ["| evaluator | status | checkpoint | metrics | id |", "|---|---|---|---|---|"]
         for e in evaluations:
             metrics = ", ".join(f"{k}={v:.4f}" for k, v in sorted((e.metrics or {}).items()))
-            status = e.status + (f" ({e.termination_reason}: {e.detail})" if e.termination_reason else "")
+            status = e.status + (
+                f" ({e.termination_reason}: {e.detail})" if e.termination_reason else ""
+            )
             out.append(
                 f"| {e.evaluator_name} {e.evaluator_version[:20]} | {status} | "
                 f"`{e.checkpoint_manifest_sha256[:12]}` | {metrics} | `{e.evaluation_id}` |"

@@ -24,7 +24,7 @@ def materialize_snapshot(
     run_config: dict[str, Any] | None = None,
     tags: dict[str, str] | None = None,
 ) -> dg.ExecuteInProcessResult:
-    """Register ``snapshot_id`` as a partition and run the whole graph for it, recorded in ``instance``.
+    """Register ``snapshot_id`` as a partition and run the whole graph for it in ``instance``.
 
     This is what ``tracks demo`` does; the Dagster UI and the sensors do the same through the
     daemon. The run is a normal Dagster run: it shows up in the UI with its event log.

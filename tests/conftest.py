@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,21 +31,7 @@ def _admin_engine() -> sa.Engine:
     return sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
 
 
-@pytest.fixture
-def pg_database() -> Iterator[str]:
-    """A brand-new PostgreSQL database on the local server; dropped afterwards."""
-    name = f"tracks_test_{secrets.token_hex(4)}"
-    admin = _admin_engine()
-    try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    except sa.exc.OperationalError as exc:  # pragma: no cover - environment problem
-        pytest.fail(
-            f"PostgreSQL at {PG_ADMIN_URL} is not reachable ({exc.orig}); "
-            "start it with .ci/run or pg_ctlcluster"
-        )
-    url = sa.engine.make_url(PG_ADMIN_URL).set(database=name)
-    yield url.render_as_string(hide_password=False)
+def _drop(admin: sa.Engine, name: str) -> None:
     with admin.connect() as conn:
         conn.execute(
             sa.text(
@@ -55,7 +41,38 @@ def pg_database() -> Iterator[str]:
             {"name": name},
         )
         conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}"'))
+
+
+@pytest.fixture
+def make_pg_database() -> Iterator[Callable[[], str]]:
+    """Creates brand-new PostgreSQL databases on the local server; drops them afterwards."""
+    admin = _admin_engine()
+    created: list[str] = []
+
+    def _create() -> str:
+        name = f"tracks_test_{secrets.token_hex(4)}"
+        try:
+            with admin.connect() as conn:
+                conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        except sa.exc.OperationalError as exc:  # pragma: no cover - environment problem
+            pytest.fail(
+                f"PostgreSQL at {PG_ADMIN_URL} is not reachable ({exc.orig}); "
+                "start it with .ci/run or pg_ctlcluster"
+            )
+        created.append(name)
+        url = sa.engine.make_url(PG_ADMIN_URL).set(database=name)
+        return url.render_as_string(hide_password=False)
+
+    yield _create
+    for name in created:
+        _drop(admin, name)
     admin.dispose()
+
+
+@pytest.fixture
+def pg_database(make_pg_database: Callable[[], str]) -> str:
+    """One brand-new PostgreSQL database."""
+    return make_pg_database()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

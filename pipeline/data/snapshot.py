@@ -175,8 +175,9 @@ def open_snapshot(snapshot_root_or_dir: Path, snapshot_id: str | None = None) ->
         raise SnapshotIntegrityError(
             path, [(MANIFEST_NAME, f"unreadable manifest ({type(exc).__name__}: {exc})")]
         ) from exc
-    if not isinstance(files, list):
-        raise SnapshotIntegrityError(path, [(MANIFEST_NAME, "'files' is not a list")])
+    problem = _manifest_files_problem(files)
+    if problem is not None:
+        raise SnapshotIntegrityError(path, [(MANIFEST_NAME, problem)])
     if found_id != path.name:
         raise SnapshotIntegrityError(
             path, [(MANIFEST_NAME, f"names snapshot {found_id!r} but lives in {path.name!r}")]
@@ -188,6 +189,22 @@ def open_snapshot(snapshot_root_or_dir: Path, snapshot_id: str | None = None) ->
         manifest_sha256=sha256_bytes(raw),
         row_count=row_count,
     )
+
+
+def list_snapshots(snapshot_root: Path) -> list[Snapshot]:
+    """Every complete snapshot under ``snapshot_root``, oldest first (by manifest created_at).
+
+    Staging directories (hidden) are skipped; manifests are read, data is not re-hashed.
+    """
+    snapshot_root = Path(snapshot_root)
+    if not snapshot_root.is_dir():
+        return []
+    snapshots = [
+        open_snapshot(path)
+        for path in snapshot_root.iterdir()
+        if path.is_dir() and not path.name.startswith(".") and (path / MANIFEST_NAME).is_file()
+    ]
+    return sorted(snapshots, key=lambda s: (str(s.manifest.get("created_at", "")), s.snapshot_id))
 
 
 def verify_snapshot(snapshot: Snapshot) -> None:
@@ -248,6 +265,19 @@ def read_snapshot_frame(snapshot: Snapshot, *, verify: bool = True) -> pd.DataFr
         for entry in snapshot.manifest["files"]
     ]
     return pd.concat(frames, ignore_index=True) if len(frames) != 1 else frames[0]
+
+
+def _manifest_files_problem(files: Any) -> str | None:
+    if not isinstance(files, list) or not files:
+        return "'files' is not a non-empty list"
+    for entry in files:
+        if not isinstance(entry, dict) or not {"name", "bytes", "sha256", "rows"} <= entry.keys():
+            return f"file entry {entry!r} lacks name, bytes, sha256 or rows"
+        name = entry["name"]
+        # A manifest must not point verification or reads outside its own data dir.
+        if not isinstance(name, str) or name.startswith("/") or ".." in name.split("/"):
+            return f"file name {name!r} is not a relative path inside {DATA_DIR}/"
+    return None
 
 
 def _snapshot_id(entries: Any) -> str:

@@ -1,4 +1,4 @@
-"""The attempt receipt: a relational ledger of runs, attempts, checkpoints, evaluations, promotions."""
+"""The attempt receipt: runs, attempts, checkpoints, evaluations and promotions."""
 
 from pipeline.ledger.errors import (
     LedgerError,

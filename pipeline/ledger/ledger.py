@@ -73,8 +73,14 @@ def _is_retryable(exc: DBAPIError) -> bool:
         text = str(exc.orig).lower()
         return any(
             marker in text
-            for marker in ("database is locked", "server closed", "terminating connection",
-                           "could not connect", "connection refused", "connection reset")
+            for marker in (
+                "database is locked",
+                "server closed",
+                "terminating connection",
+                "could not connect",
+                "connection refused",
+                "connection reset",
+            )
         )
     return False
 
@@ -357,7 +363,9 @@ class Ledger:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _require_current_token(self, conn: Connection, run_id: str, attempt_no: int, token: int) -> None:
+    def _require_current_token(
+        self, conn: Connection, run_id: str, attempt_no: int, token: int
+    ) -> None:
         # A no-op UPDATE guarded by the token: it both checks and takes the row's write lock,
         # on SQLite and PostgreSQL alike, so no new attempt can slip in before we commit.
         runs = schema.training_runs

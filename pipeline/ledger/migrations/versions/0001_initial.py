@@ -73,9 +73,7 @@ def upgrade() -> None:
     op.create_table(
         "checkpoints",
         sa.Column("path", sa.String(512), primary_key=True),
-        sa.Column(
-            "run_id", sa.String(128), sa.ForeignKey("training_runs.run_id"), nullable=False
-        ),
+        sa.Column("run_id", sa.String(128), sa.ForeignKey("training_runs.run_id"), nullable=False),
         sa.Column("attempt_no", sa.Integer, nullable=False),
         sa.Column("step", sa.Integer, nullable=False),
         sa.Column("manifest_sha256", sa.String(64)),
@@ -92,9 +90,7 @@ def upgrade() -> None:
     op.create_table(
         "evaluations",
         sa.Column("evaluation_id", sa.String(64), primary_key=True),
-        sa.Column(
-            "run_id", sa.String(128), sa.ForeignKey("training_runs.run_id"), nullable=False
-        ),
+        sa.Column("run_id", sa.String(128), sa.ForeignKey("training_runs.run_id"), nullable=False),
         sa.Column("attempt_no", sa.Integer, nullable=False),
         sa.Column("checkpoint_path", sa.String(512), nullable=False),
         sa.Column("checkpoint_manifest_sha256", sa.String(64), nullable=False),
@@ -125,9 +121,7 @@ def upgrade() -> None:
     op.create_table(
         "promotions",
         sa.Column("promotion_id", sa.String(64), primary_key=True),
-        sa.Column(
-            "run_id", sa.String(128), sa.ForeignKey("training_runs.run_id"), nullable=False
-        ),
+        sa.Column("run_id", sa.String(128), sa.ForeignKey("training_runs.run_id"), nullable=False),
         sa.Column("attempt_no", sa.Integer, nullable=False),
         sa.Column("checkpoint_path", sa.String(512), nullable=False),
         sa.Column("checkpoint_manifest_sha256", sa.String(64), nullable=False),

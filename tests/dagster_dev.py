@@ -1,0 +1,129 @@
+"""A real ``dagster dev`` (webserver + daemon) on loopback, and a small GraphQL client for it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import requests
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+REPOSITORY = {"repositoryLocationName": "tracks", "repositoryName": "__repository__"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class DagsterDev:
+    """``dagster dev -w workspace.yaml`` in its own process group, stopped with SIGINT."""
+
+    def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml",
+             "-h", "127.0.0.1", "-p", str(self.port)],
+            cwd=REPO_ROOT,
+            env={**os.environ, **env},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def wait_until_loaded(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"dagster dev exited early:\n{self.log_tail()}")
+            try:
+                data = self.graphql(
+                    "{ workspaceOrError { ... on Workspace { locationEntries { name "
+                    "locationOrLoadError { __typename ... on PythonError { message } } } } } }"
+                )
+                entries = data["workspaceOrError"]["locationEntries"]
+                loaded = [e for e in entries if e["locationOrLoadError"]]
+                if loaded:
+                    status = loaded[0]["locationOrLoadError"]
+                    if status["__typename"] == "PythonError":
+                        raise RuntimeError(f"code location failed to load: {status['message']}")
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"dagster dev did not load in {timeout}s:\n{self.log_tail()}")
+
+    def graphql(self, query: str, variables: dict[str, Any] | None = None) -> dict[str, Any]:
+        response = requests.post(
+            f"{self.url}/graphql", json={"query": query, "variables": variables or {}}, timeout=30
+        )
+        response.raise_for_status()
+        body = response.json()
+        if body.get("errors"):
+            raise RuntimeError(f"GraphQL errors: {body['errors']}")
+        return body["data"]
+
+    def run_status(self, run_id: str) -> str:
+        data = self.graphql(
+            "query($id: ID!) { runOrError(runId: $id) { __typename ... on Run { status } } }",
+            {"id": run_id},
+        )
+        return data["runOrError"]["status"]
+
+    def wait_for_run(self, run_id: str, timeout: float = 300.0) -> str:
+        deadline = time.monotonic() + timeout
+        status = "UNKNOWN"
+        while time.monotonic() < deadline:
+            status = self.run_status(run_id)
+            if status in ("SUCCESS", "FAILURE", "CANCELED"):
+                return status
+            time.sleep(2.0)
+        raise TimeoutError(f"run {run_id} still {status} after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 6000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+
+
+ADD_PARTITION = """
+mutation($repo: RepositorySelector!, $name: String!, $key: String!) {
+  addDynamicPartition(repositorySelector: $repo, partitionsDefName: $name, partitionKey: $key) {
+    __typename
+    ... on PythonError { message }
+  }
+}
+"""
+
+# What the UI's "Materialize" button sends for a selection of assets and one partition.
+LAUNCH_RUN = """
+mutation($params: ExecutionParams!) {
+  launchPipelineExecution(executionParams: $params) {
+    __typename
+    ... on LaunchRunSuccess { run { runId } }
+    ... on PythonError { message stack }
+    ... on RunConfigValidationInvalid { errors { message } }
+    ... on InvalidSubsetError { message }
+  }
+}
+"""

@@ -1,0 +1,89 @@
+"""The whole path in Dagster: snapshot → checks → train → checkpoint → evaluate → promote.
+
+Runs on the embedded default (SQLite everywhere) and on PostgreSQL (Dagster's instance through
+the repository's dagster.yaml, the ledger and MLflow's tracking and registry store).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from mlflow import MlflowClient
+
+from pipeline.data.landing import write_digits_landing
+from pipeline.data.snapshot import snapshot_id_for
+from pipeline.definitions import build_definitions
+from pipeline.ledger import Ledger
+from pipeline.settings import TracksSettings
+from sensors import materialize_snapshot
+from tests.dagster_dev import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+FAST_TRAINING = {"ops": {"training_attempt": {"config": {"max_steps": 300}}}}
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def deployment(
+    request: pytest.FixtureRequest,
+    tracks_home: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> str:
+    if request.param == "postgresql":
+        make_db: Callable[[], str] = request.getfixturevalue("make_pg_database")
+        monkeypatch.setenv("TRACKS_LEDGER_URL", make_db())
+        monkeypatch.setenv("TRACKS_MLFLOW_URI", make_db())
+        monkeypatch.setenv("TRACKS_DAGSTER_PG_URL", make_db())
+        shutil.copyfile(REPO_ROOT / "dagster.yaml", tracks_home / "dagster" / "dagster.yaml")
+    return request.param
+
+
+def test_whole_path_promotes_a_champion_whose_tags_lead_back(deployment: str) -> None:
+    settings = TracksSettings.from_env()
+    write_digits_landing(settings.landing_root)
+    snapshot = snapshot_id_for(settings.landing_root)
+    defs = build_definitions(settings)
+
+    with dg.DagsterInstance.get() as instance:
+        if deployment == "postgresql":
+            assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+        result = materialize_snapshot(defs, instance, snapshot, run_config=FAST_TRAINING)
+        assert result.success, [
+            e.step_failure_data.error.message for e in result.all_events if e.is_step_failure
+        ]
+        checks = {
+            e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data.passed
+            for e in result.all_events
+            if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        }
+        assert checks["schema_contract"] and checks["data_quality"]
+
+    ledger = Ledger.open(settings.ledger_url)
+    [run] = ledger.find_runs(snapshot_id=snapshot)
+    [attempt] = ledger.attempts(run.run_id)
+    assert attempt.termination_reason == "succeeded"
+    assert attempt.dagster_run_id == result.run_id
+    final = ledger.latest_committed_checkpoint(run.run_id)
+    assert final is not None and final.step == 300
+    assert (Path(final.path) / "COMMITTED").exists()
+
+    [promotion] = ledger.promotions(run_id=run.run_id)
+    assert promotion.decision == "promoted"
+    client = MlflowClient(settings.mlflow_tracking_uri, settings.mlflow_tracking_uri)
+    champion = client.get_model_version_by_alias(promotion.model_name, "champion")
+    assert champion.version == promotion.model_version
+    tags = champion.tags
+    assert tags["run_id"] == run.run_id
+    assert tags["attempt_no"] == "1"
+    assert tags["checkpoint_manifest_sha256"] == final.manifest_sha256
+    assert tags["snapshot_id"] == snapshot
+    evaluations = ledger.evaluations_for_checkpoint(final.manifest_sha256)
+    assert {e.evaluator_name for e in evaluations} == {"holdout_accuracy", "noise_robustness"}
+    assert set(tags["evaluation_ids"].split(",")) == {e.evaluation_id for e in evaluations}
+    for evaluation in evaluations:
+        assert evaluation.missing_provenance() == []
+        assert evaluation.mlflow_run_id
