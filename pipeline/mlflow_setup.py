@@ -1,13 +1,14 @@
 """The one place Tracks configures MLflow: URIs, quiet logging, experiments, metric names.
 
 Everything else asks :func:`mlflow_client` for a client with explicit URIs. The fluent API is
-only needed where MLflow offers nothing else (``pyfunc.log_model``, ``register_model``,
-``pyfunc.load_model("models:/…")``), so the process-wide URIs are set here too.
+only used where MLflow offers nothing else (``pyfunc.log_model`` inside ``start_run``, and
+``pyfunc.load_model("models:/…")`` for readers), so the process-wide URIs are set here too.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 from typing import TYPE_CHECKING
@@ -34,6 +35,8 @@ def configure_mlflow(settings: TracksSettings) -> None:
     with _lock:
         for name in _NOISY_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
+        # tqdm bars for every artifact download end up as garbage in Dagster's captured logs.
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         if mlflow.get_tracking_uri() != settings.mlflow_tracking_uri:
             mlflow.set_tracking_uri(settings.mlflow_tracking_uri)
         if mlflow.get_registry_uri() != settings.mlflow_tracking_uri:
@@ -74,5 +77,8 @@ _INVALID_KEY_CHARS = re.compile(r"[^\w./\- ]")
 
 
 def mlflow_key(name: str) -> str:
-    """An MLflow-safe metric name: ``accuracy@0.1`` -> ``accuracy_at_0.1``, ``class=3`` -> ``class_3``."""
+    """MLflow-safe metric name: ``accuracy@0.1`` -> ``accuracy_at_0.1``, ``class=3`` -> ``class_3``.
+
+    MLflow allows only letters, digits, ``_ - . / :`` and spaces in metric names.
+    """
     return _INVALID_KEY_CHARS.sub("_", name.replace("@", "_at_"))

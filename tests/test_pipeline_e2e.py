@@ -75,7 +75,7 @@ def test_whole_path_promotes_a_champion_whose_tags_lead_back(deployment: str) ->
     assert promotion.decision == "promoted"
     client = MlflowClient(settings.mlflow_tracking_uri, settings.mlflow_tracking_uri)
     champion = client.get_model_version_by_alias(promotion.model_name, "champion")
-    assert champion.version == promotion.model_version
+    assert str(champion.version) == promotion.model_version
     tags = champion.tags
     assert tags["run_id"] == run.run_id
     assert tags["attempt_no"] == "1"

@@ -1,4 +1,4 @@
-"""What an evaluator is: a named, versioned, deterministic function of a model and the eval split."""
+"""What an evaluator is: a named, versioned, deterministic function of a model and eval data."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def code_digest(cls: type) -> str:
     """``src:sha256:<16 hex>`` over the source of ``cls`` and its Tracks base classes."""
     digest = hashlib.sha256()
     for klass in cls.__mro__:
-        if klass.__module__.startswith("pipeline.") and klass is not Evaluator:
+        if klass is cls or (klass.__module__.startswith("pipeline.") and klass is not Evaluator):
             digest.update(klass.__qualname__.encode())
             digest.update(inspect.getsource(klass).encode())
     return "src:sha256:" + digest.hexdigest()[:16]
@@ -94,7 +94,11 @@ class ClassifierEvaluator:
 
     @property
     def decoding_params(self) -> dict[str, Any]:
-        return {"decision": "argmax", "temperature": self.temperature, "batch_size": self.batch_size}
+        return {
+            "decision": "argmax",
+            "temperature": self.temperature,
+            "batch_size": self.batch_size,
+        }
 
     def evaluate(
         self,
@@ -141,8 +145,9 @@ class ClassifierEvaluator:
     def sample_failures(self, outputs: pd.DataFrame) -> pd.DataFrame:
         """The most confident wrong predictions first: the ones worth a person's minute."""
         wrong = outputs[~outputs["correct"]]
-        keys = [c for c in ("confidence", "sample_id") if c in wrong.columns]
-        ordered = wrong.sort_values(keys, ascending=[False, True][: len(keys)], kind="stable")
+        ordered = wrong.sort_values(
+            ["confidence", "sample_id"], ascending=[False, True], kind="stable"
+        )
         return ordered.head(self.failure_sample_size).reset_index(drop=True)
 
     @staticmethod

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from pipeline.evaluation.base import ClassifierEvaluator, Evaluator, EvaluatorResult
+from pipeline.evaluation.errors import UnknownEvaluatorError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -100,9 +101,9 @@ class NoiseRobustness(ClassifierEvaluator):
             frame = self.outputs_frame(sample_ids, truth, probabilities)
             frame.insert(1, "noise_level", level)
             frames.append(frame)
-        noisy_levels = [metrics[f"accuracy@{level:g}"] for level in self.noise_levels if level > 0]
-        metrics["mean_noisy_accuracy"] = float(np.mean(noisy_levels))
-        metrics["worst_accuracy"] = float(min(metrics.values()))
+        by_level = {level: metrics[f"accuracy@{level:g}"] for level in self.noise_levels}
+        metrics["mean_noisy_accuracy"] = float(np.mean([a for lv, a in by_level.items() if lv > 0]))
+        metrics["worst_accuracy"] = float(min(by_level.values()))
         outputs = pd.concat(frames, ignore_index=True)
         return EvaluatorResult(
             metrics=metrics,
@@ -127,6 +128,4 @@ def get_evaluator(name: str) -> Evaluator:
     try:
         return EVALUATORS[name]
     except KeyError:
-        raise KeyError(
-            f"no evaluator named {name!r}; registered: {', '.join(sorted(EVALUATORS))}"
-        ) from None
+        raise UnknownEvaluatorError(name, sorted(EVALUATORS)) from None

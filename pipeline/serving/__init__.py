@@ -5,8 +5,9 @@ from pathlib import Path
 from pipeline.serving.loading import (
     CommittedCheckpoint,
     UnreadableCheckpointError,
-    load_checkpoint_model,
+    load_committed_checkpoint,
     load_model_from_files,
+    model_from_state,
     open_committed_checkpoint,
 )
 
@@ -17,7 +18,8 @@ __all__ = [
     "MODEL_CODE_PATH",
     "CommittedCheckpoint",
     "UnreadableCheckpointError",
-    "load_checkpoint_model",
+    "load_committed_checkpoint",
     "load_model_from_files",
+    "model_from_state",
     "open_committed_checkpoint",
 ]

@@ -14,23 +14,21 @@ import numpy as np
 import pandas as pd
 from mlflow.pyfunc import PythonModel
 
-PIXEL_COLUMNS = [f"px_{i:02d}" for i in range(64)]
-PIXEL_MAX = 16.0  # snapshot pixels are integers 0..16; the model was trained on pixels / 16
+from pipeline.serving.loading import PIXEL_COLUMNS, PIXEL_MAX, load_model_from_files
 
 
 class DigitsClassifier(PythonModel):
     """Predicts a digit label for each row of 64 pixels (``px_00``..``px_63``, values 0..16)."""
 
     def load_context(self, context: Any) -> None:
-        from pipeline.serving.loading import load_model_from_files
-
         self._model = load_model_from_files(
             context.artifacts["weights"], context.artifacts["trainer_state"]
         )
 
-    # model_input is left unannotated on purpose: MLflow turns type hints into a signature.
+    # Annotated as a DataFrame, a type MLflow neither validates nor infers a signature from;
+    # an ndarray of rows of 64 pixels (or [N, 8, 8] images) works as well.
     def predict(
-        self, context: Any, model_input, params: dict[str, Any] | None = None
+        self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None
     ) -> np.ndarray:
         import torch
 

@@ -1,4 +1,4 @@
-"""Read a committed checkpoint without pickle: safetensors for tensors, JSON for the rest."""
+"""Committed checkpoints as models, without pickle: safetensors for tensors, JSON for the rest."""
 
 from __future__ import annotations
 
@@ -9,15 +9,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
+
+    from pipeline.checkpoint import CheckpointInfo
 
 WEIGHTS_FILE = "model.safetensors"
 TRAINER_STATE_FILE = "trainer_state.json"
-COMMITTED_FILE = "COMMITTED"
+PIXEL_COLUMNS = [f"px_{i:02d}" for i in range(64)]  # snapshot columns, integers 0..16
+PIXEL_MAX = 16.0  # the model sees pixels / 16
 
 
 class UnreadableCheckpointError(Exception):
-    """A checkpoint directory that is not committed, or lacks the files serving needs."""
+    """A verified checkpoint whose trainer state does not say how to build its model."""
 
     def __init__(self, path: str | Path, problem: str) -> None:
         super().__init__(f"checkpoint {path} {problem}")
@@ -26,13 +30,23 @@ class UnreadableCheckpointError(Exception):
 
 @dataclass(frozen=True)
 class CommittedCheckpoint:
-    """What the ``COMMITTED`` marker of a verified checkpoint says about it."""
+    """A checkpoint that verified: where it is and what its ``COMMITTED`` marker says."""
 
     path: str
     manifest_sha256: str
-    run_id: str | None
-    attempt_no: int | None
-    step: int | None
+    run_id: str
+    attempt_no: int
+    step: int
+
+    @classmethod
+    def from_info(cls, info: CheckpointInfo) -> CommittedCheckpoint:
+        return cls(
+            path=os.path.abspath(info.path),
+            manifest_sha256=info.manifest_sha256,
+            run_id=info.run_id,
+            attempt_no=info.attempt_no,
+            step=info.step,
+        )
 
     @property
     def weights_path(self) -> Path:
@@ -44,65 +58,46 @@ class CommittedCheckpoint:
 
 
 def open_committed_checkpoint(checkpoint_dir: str | Path) -> CommittedCheckpoint:
-    """Verify a checkpoint directory and read its ``COMMITTED`` marker.
+    """Verify a checkpoint (``pipeline.checkpoint.verify_checkpoint``) and describe it.
 
-    Verification (manifest sizes and digests) is ``pipeline.checkpoint.verify_checkpoint``'s job
-    and raises its ``CorruptCheckpointError``; this function adds the checks serving needs.
+    Raises ``CorruptCheckpointError`` or ``UnsafeCheckpointError`` from the checkpoint protocol.
     """
-    path = os.path.abspath(checkpoint_dir)
-    verify = _checkpoint_verifier()
-    if verify is not None:
-        verify(path)
-    marker_path = Path(path) / COMMITTED_FILE
-    if not marker_path.is_file():
-        raise UnreadableCheckpointError(path, f"has no {COMMITTED_FILE} marker: it is not committed")
-    try:
-        marker = json.loads(marker_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UnreadableCheckpointError(path, f"has an unreadable {COMMITTED_FILE}: {exc}") from exc
-    if not marker.get("manifest_sha256"):
-        raise UnreadableCheckpointError(path, f"has no manifest_sha256 in {COMMITTED_FILE}")
-    for name in (WEIGHTS_FILE, TRAINER_STATE_FILE):
-        if not (Path(path) / name).is_file():
-            raise UnreadableCheckpointError(path, f"has no {name}")
-    return CommittedCheckpoint(
-        path=path,
-        manifest_sha256=str(marker["manifest_sha256"]),
-        run_id=marker.get("run_id"),
-        attempt_no=None if marker.get("attempt_no") is None else int(marker["attempt_no"]),
-        step=None if marker.get("step") is None else int(marker["step"]),
-    )
+    from pipeline.checkpoint import verify_checkpoint
+
+    return CommittedCheckpoint.from_info(verify_checkpoint(checkpoint_dir))
 
 
-def _checkpoint_verifier() -> Any:
-    try:
-        from pipeline.checkpoint import verify_checkpoint
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("pipeline.checkpoint",):
-            raise
-        return None
-    return verify_checkpoint
+def load_committed_checkpoint(checkpoint_dir: str | Path) -> tuple[CommittedCheckpoint, nn.Module]:
+    """Verify a checkpoint and build its model from the verified bytes, in eval mode."""
+    from pipeline.checkpoint import load_checkpoint
+
+    contents = load_checkpoint(checkpoint_dir)
+    checkpoint = CommittedCheckpoint.from_info(contents.info)
+    return checkpoint, model_from_state(contents.trainer_state, contents.model, checkpoint.path)
 
 
 def load_model_from_files(weights_path: str | Path, trainer_state_path: str | Path) -> nn.Module:
-    """Build the model from ``trainer_state.json["config"]["model"]`` and load its weights."""
+    """Build the model from a ``model.safetensors`` and ``trainer_state.json`` pair (serving)."""
     from safetensors.torch import load_file
 
+    trainer_state = json.loads(Path(trainer_state_path).read_text())
+    where = Path(trainer_state_path).parent
+    return model_from_state(trainer_state, load_file(str(weights_path)), where)
+
+
+def model_from_state(
+    trainer_state: dict[str, Any], weights: dict[str, torch.Tensor], where: str | Path
+) -> nn.Module:
+    """``build_model(trainer_state["config"]["model"])`` with ``weights`` loaded strictly."""
     from pipeline.trainer.model import build_model
 
-    state = json.loads(Path(trainer_state_path).read_text())
     try:
-        model_config = state["config"]["model"]
+        model_config = trainer_state["config"]["model"]
     except (KeyError, TypeError) as exc:
         raise UnreadableCheckpointError(
-            Path(trainer_state_path).parent, f"has no config.model in {TRAINER_STATE_FILE}"
+            where, f"has no config.model in {TRAINER_STATE_FILE}"
         ) from exc
     model = build_model(model_config)
-    model.load_state_dict(load_file(str(weights_path)), strict=True)
+    model.load_state_dict(weights, strict=True)
     model.eval()
     return model
-
-
-def load_checkpoint_model(checkpoint: CommittedCheckpoint) -> nn.Module:
-    """The model stored in a committed checkpoint, in eval mode."""
-    return load_model_from_files(checkpoint.weights_path, checkpoint.trainer_state_path)

@@ -1,0 +1,13 @@
+"""Promotion: the quality gate, then the ``champion`` alias moves or a refusal is recorded."""
+
+from pipeline.promotion.gate import GateDecision, QualityGate, decide, newest_complete
+from pipeline.promotion.promote import champion_version, promote
+
+__all__ = [
+    "GateDecision",
+    "QualityGate",
+    "champion_version",
+    "decide",
+    "newest_complete",
+    "promote",
+]

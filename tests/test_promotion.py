@@ -1,0 +1,265 @@
+"""Promotion end to end: real evaluations, MLflow registry on SQLite, the ledger; no mocks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+
+from pipeline.data import read_snapshot_frame
+from pipeline.evaluation import run_evaluation
+from pipeline.ledger import EvaluationRecord, Ledger, PromotionRecord
+from pipeline.mlflow_setup import configure_mlflow
+from pipeline.promotion import QualityGate, champion_version, promote
+from pipeline.states import PromotionDecision
+
+try:  # tests/ as a package (or the repo root on sys.path), else tests/ itself on sys.path
+    from tests.test_evaluation_support import (
+        World,
+        manifest_sha256,
+        open_ledger,
+        shared_world,
+        without_class,
+        write_checkpoint,
+    )
+except ModuleNotFoundError:
+    from test_evaluation_support import (
+        World,
+        manifest_sha256,
+        open_ledger,
+        shared_world,
+        without_class,
+        write_checkpoint,
+    )
+
+PIXELS = [f"px_{i:02d}" for i in range(64)]
+# Thresholds out of the way, so a test sees only the rule it is about.
+SLICES_ONLY = QualityGate(min_metrics={}, max_slice_regression=0.03)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    return shared_world(tmp_path_factory.getbasetemp())
+
+
+def _evaluate(
+    world: World,
+    ledger: Ledger,
+    checkpoint: Path,
+    run_id: str,
+    evaluators: Sequence[str] = ("holdout_accuracy", "noise_robustness"),
+) -> list[EvaluationRecord]:
+    return [
+        run_evaluation(
+            checkpoint_dir=checkpoint,
+            snapshot=world.snapshot,
+            ledger=ledger,
+            settings=world.settings,
+            evaluator=name,
+            run_id=run_id,
+            attempt_no=1,
+        )
+        for name in evaluators
+    ]
+
+
+def _promote(
+    world: World, ledger: Ledger, checkpoint: Path, run_id: str, model_name: str, **kw: object
+) -> PromotionRecord:
+    return promote(
+        ledger=ledger,
+        settings=world.settings,
+        run_id=run_id,
+        attempt_no=1,
+        checkpoint_dir=checkpoint,
+        snapshot_id=world.snapshot.snapshot_id,
+        model_name=model_name,
+        **kw,
+    )
+
+
+@dataclass(frozen=True)
+class Champion:
+    ledger: Ledger
+    checkpoint: Path
+    evaluations: list[EvaluationRecord]
+    promotion: PromotionRecord
+    model_name: str = "digits-champion-tests"
+
+
+@pytest.fixture(scope="module")
+def champion(world: World, tmp_path_factory: pytest.TempPathFactory) -> Champion:
+    """A good checkpoint, evaluated by every required evaluator and promoted."""
+    base = tmp_path_factory.mktemp("champion")
+    ledger = open_ledger(
+        base / "ledger.db", world.snapshot.snapshot_id, "run-good", "run-degraded", "run-untrained"
+    )
+    checkpoint = write_checkpoint(base / "checkpoints", world.good_state, run_id="run-good")
+    evaluations = _evaluate(world, ledger, checkpoint, "run-good")
+    promotion = _promote(world, ledger, checkpoint, "run-good", Champion.model_name)
+    return Champion(ledger, checkpoint, evaluations, promotion)
+
+
+def test_promotion_passes_and_moves_the_champion_alias(world: World, champion: Champion) -> None:
+    record = champion.promotion
+    assert record.decision == PromotionDecision.PROMOTED, record.reason
+    assert record.reason.startswith("Passed:")
+    assert record.model_version == "1" and record.previous_champion_version is None
+    assert sorted(record.evaluation_ids) == sorted(e.evaluation_id for e in champion.evaluations)
+    assert record.gate["thresholds"] and all(c["passed"] for c in record.gate["thresholds"])
+
+    version = champion_version(world.settings, champion.model_name)
+    assert version is not None and str(version.version) == record.model_version
+    assert "champion" in version.aliases
+    assert champion.ledger.current_champion(champion.model_name) == record
+
+
+def test_model_version_tags_lead_back_to_run_attempt_checkpoint_snapshot_and_evaluations(
+    world: World, champion: Champion
+) -> None:
+    version = champion_version(world.settings, champion.model_name)
+    tags = version.tags
+    assert tags["run_id"] == "run-good" and tags["attempt_no"] == "1"
+    assert tags["checkpoint_path"] == str(champion.checkpoint)
+    assert tags["checkpoint_manifest_sha256"] == manifest_sha256(champion.checkpoint)
+    assert tags["snapshot_id"] == world.snapshot.snapshot_id
+    assert tags["promotion_id"] == champion.promotion.promotion_id
+    by_name = {e.evaluator_name: e.evaluation_id for e in champion.evaluations}
+    assert sorted(tags["evaluation_ids"].split(",")) == sorted(by_name.values())
+    for name, evaluation_id in by_name.items():
+        assert tags[f"evaluation.{name}"] == evaluation_id
+    # Each tag resolves: the evaluations are in the ledger for exactly this checkpoint.
+    in_ledger = champion.ledger.evaluations_for_checkpoint(tags["checkpoint_manifest_sha256"])
+    assert {e.evaluation_id for e in in_ledger} == set(by_name.values())
+    # The version is linked to the MLflow run that logged it, which holds the gate's details.
+    client = MlflowClient(world.settings.mlflow_tracking_uri)
+    run = client.get_run(version.run_id)
+    assert run.data.tags["checkpoint_manifest_sha256"] == tags["checkpoint_manifest_sha256"]
+    assert "gate.json" in {a.path for a in client.list_artifacts(version.run_id)}
+
+
+def test_champion_loads_by_alias_without_pickle_and_predicts(
+    world: World, champion: Champion, tmp_path: Path
+) -> None:
+    configure_mlflow(world.settings)  # registry URI for the models:/ scheme
+    model = mlflow.pyfunc.load_model(f"models:/{champion.model_name}@champion")
+    frame = read_snapshot_frame(world.snapshot)
+    rows = frame[frame["split"] == "eval"]
+    predicted = model.predict(rows)  # extra columns (sample_id, split, label) are ignored
+    assert predicted.shape == (len(rows),) and predicted.dtype == np.int64
+    accuracy = float((predicted == rows["label"].to_numpy()).mean())
+    holdout = next(e for e in champion.evaluations if e.evaluator_name == "holdout_accuracy")
+    assert accuracy == pytest.approx(holdout.metrics["accuracy"])
+    assert np.array_equal(model.predict(rows[PIXELS].to_numpy()[:7]), predicted[:7])
+
+    local = Path(
+        mlflow.artifacts.download_artifacts(
+            f"models:/{champion.model_name}@champion", dst_path=str(tmp_path)
+        )
+    )
+    files = {p.name for p in local.rglob("*") if p.is_file()}
+    assert {"model.safetensors", "trainer_state.json", "digits_model.py", "MLmodel"} <= files
+    assert not any(name.endswith((".pkl", ".pickle", ".pt", ".pth")) for name in files)
+
+
+def test_slice_regression_against_the_champion_is_refused(
+    world: World, champion: Champion, tmp_path: Path
+) -> None:
+    degraded = write_checkpoint(tmp_path, without_class(world.good_state, 3), run_id="run-degraded")
+    _evaluate(world, champion.ledger, degraded, "run-degraded")
+    record = _promote(
+        world, champion.ledger, degraded, "run-degraded", champion.model_name, gate=SLICES_ONLY
+    )
+
+    assert record.decision == PromotionDecision.REFUSED
+    assert record.model_version is None
+    assert record.previous_champion_version == "1"
+    assert "slice class=3 of holdout_accuracy regressed from" in record.reason
+    assert "to 0.000 (> 0.03) against champion version 1" in record.reason
+    assert "class=4" not in record.reason  # only what failed is named
+    assert any(c["regressed"] and c["slice"] == "class=3" for c in record.gate["slice_comparisons"])
+    assert champion.ledger.promotions(run_id="run-degraded") == [record]
+    assert str(champion_version(world.settings, champion.model_name).version) == "1"
+
+
+def test_threshold_failure_is_refused(world: World, champion: Champion, tmp_path: Path) -> None:
+    untrained = write_checkpoint(tmp_path, world.untrained_state, run_id="run-untrained")
+    _evaluate(world, champion.ledger, untrained, "run-untrained")
+    record = _promote(world, champion.ledger, untrained, "run-untrained", champion.model_name)
+
+    assert record.decision == PromotionDecision.REFUSED
+    assert "holdout_accuracy.accuracy 0." in record.reason and "< 0.9" in record.reason
+    assert "noise_robustness.accuracy@0.1 0." in record.reason and "< 0.8" in record.reason
+    assert str(champion_version(world.settings, champion.model_name).version) == "1"
+
+
+def test_promoting_the_champion_again_returns_the_recorded_promotion(
+    world: World, champion: Champion
+) -> None:
+    again = _promote(world, champion.ledger, champion.checkpoint, "run-good", champion.model_name)
+    assert again == champion.promotion
+    client = MlflowClient(world.settings.mlflow_tracking_uri)
+    versions = client.search_model_versions(f"name='{champion.model_name}'")
+    assert [str(v.version) for v in versions] == ["1"]
+
+
+def test_missing_evaluator_is_refused_with_reason(world: World, tmp_path: Path) -> None:
+    ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, "run-partial")
+    checkpoint = write_checkpoint(tmp_path, world.good_state, run_id="run-partial")
+    _evaluate(world, ledger, checkpoint, "run-partial", evaluators=["holdout_accuracy"])
+    record = _promote(world, ledger, checkpoint, "run-partial", "digits-missing-evaluator")
+
+    sha12 = manifest_sha256(checkpoint)[:12]
+    assert record.decision == PromotionDecision.REFUSED
+    assert f"evaluator noise_robustness has no complete evaluation for checkpoint {sha12}" in (
+        record.reason
+    )
+    assert ledger.promotions(model_name="digits-missing-evaluator") == [record]
+    assert champion_version(world.settings, "digits-missing-evaluator") is None
+
+
+def test_second_promotion_records_the_previous_champion(world: World, tmp_path: Path) -> None:
+    name = "digits-succession"
+    ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, "run-1", "run-2")
+    first = write_checkpoint(tmp_path, world.good_state, run_id="run-1")
+    _evaluate(world, ledger, first, "run-1")
+    assert _promote(world, ledger, first, "run-1", name).model_version == "1"
+
+    # The same weights saved by a later run at a later step: a new checkpoint, no regression.
+    second = write_checkpoint(tmp_path, world.good_state, run_id="run-2", step=800)
+    assert manifest_sha256(second) != manifest_sha256(first)
+    _evaluate(world, ledger, second, "run-2")
+    record = _promote(world, ledger, second, "run-2", name)
+
+    assert record.decision == PromotionDecision.PROMOTED, record.reason
+    assert (record.model_version, record.previous_champion_version) == ("2", "1")
+    assert record.gate["champion_version"] == "1" and record.gate["slice_comparisons"]
+    version = champion_version(world.settings, name)
+    assert str(version.version) == "2" and version.tags["previous_champion_version"] == "1"
+    assert ledger.current_champion(name) == record
+
+
+def test_a_promotion_whose_ledger_row_was_lost_is_recorded_without_a_second_version(
+    world: World, tmp_path: Path
+) -> None:
+    name = "digits-repair"
+    first_ledger = open_ledger(tmp_path / "first.db", world.snapshot.snapshot_id, "run-r")
+    checkpoint = write_checkpoint(tmp_path, world.good_state, run_id="run-r")
+    _evaluate(world, first_ledger, checkpoint, "run-r")
+    assert _promote(world, first_ledger, checkpoint, "run-r", name).model_version == "1"
+
+    # As if the process died after moving the alias but before writing the ledger row.
+    ledger = open_ledger(tmp_path / "second.db", world.snapshot.snapshot_id, "run-r")
+    _evaluate(world, ledger, checkpoint, "run-r")
+    record = _promote(world, ledger, checkpoint, "run-r", name)
+
+    assert record.decision == PromotionDecision.PROMOTED, record.reason
+    assert record.model_version == "1"
+    assert ledger.current_champion(name) == record
+    client = MlflowClient(world.settings.mlflow_tracking_uri)
+    assert [str(v.version) for v in client.search_model_versions(f"name='{name}'")] == ["1"]
