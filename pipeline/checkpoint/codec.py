@@ -37,7 +37,7 @@ def decode_state(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if not isinstance(value, dict):
         return value
     if len(value) == 1:
-        (tag, inner), = value.items()
+        ((tag, inner),) = value.items()
         if tag == _TENSOR:
             if inner not in tensors:
                 raise KeyError(f"tensor {inner!r} is referenced by the state but not stored")
@@ -70,7 +70,9 @@ def _encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
         return [_encode(v, f"{key}.{i}", tensors) for i, v in enumerate(value)]
     if isinstance(value, dict):
         if value and all(isinstance(k, int) and not isinstance(k, bool) for k in value):
-            return {_INT_KEYS: {str(k): _encode(v, f"{key}.{k}", tensors) for k, v in value.items()}}
+            return {
+                _INT_KEYS: {str(k): _encode(v, f"{key}.{k}", tensors) for k, v in value.items()}
+            }
         out = {}
         for k, v in value.items():
             if not isinstance(k, str) or k in _TAGS:

@@ -91,13 +91,27 @@ def refuse_pickle(directory: Path) -> None:
         if path.suffix.lower() in PICKLE_SUFFIXES:
             raise UnsafeCheckpointError(directory, name, f"has a pickle suffix ({path.suffix})")
         with open(path, "rb") as handle:
-            head = handle.read(4)
+            head = handle.read(9)
+        # A safetensors file starts with its header length (u64, little-endian), whose low
+        # bytes can look like pickle magic (a 640-byte header is 80 02 …): a well-formed
+        # safetensors header is not a pickle, whatever its first two bytes.
+        if _looks_like_safetensors(head, path.stat().st_size):
+            continue
         if len(head) >= 2 and head[0] == 0x80 and head[1] in _PICKLE_PROTOCOLS:
             raise UnsafeCheckpointError(
                 directory, name, f"starts with pickle protocol {head[1]} magic bytes"
             )
-        if head == _ZIP_MAGIC:
-            raise UnsafeCheckpointError(directory, name, "is a zip archive (torch.save wraps pickle)")
+        if head[:4] == _ZIP_MAGIC:
+            raise UnsafeCheckpointError(
+                directory, name, "is a zip archive (torch.save wraps pickle)"
+            )
+
+
+def _looks_like_safetensors(head: bytes, size: int) -> bool:
+    if len(head) < 9:
+        return False
+    header_len = int.from_bytes(head[:8], "little")
+    return 2 <= header_len <= size - 8 and head[8:9] == b"{"
 
 
 def _read_json(directory: Path, name: str) -> tuple[dict[str, Any], bytes]:
@@ -147,8 +161,26 @@ def verify_checkpoint(directory: str | Path) -> CheckpointInfo:
                 COMMITTED_FILE,
                 f"{key}={committed[key]!r} but MANIFEST.json says {manifest.get(key)!r}",
             )
+    named = parse_checkpoint_dir_name(directory.name)
+    if named is not None and named != (committed["step"], committed["attempt_no"]):
+        raise CorruptCheckpointError(
+            directory,
+            COMMITTED_FILE,
+            f"says step {committed['step']} of attempt {committed['attempt_no']}, "
+            f"but the directory is named for step {named[0]} of attempt {named[1]}",
+        )
     listed: dict[str, dict[str, Any]] = {}
-    for entry in manifest.get("files", []):
+    entries = manifest.get("files")
+    if not isinstance(entries, list):
+        raise CorruptCheckpointError(directory, MANIFEST_FILE, "'files' is not a list")
+    for entry in entries:
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("name"), str)
+            and isinstance(entry.get("size"), int)
+            and isinstance(entry.get("sha256"), str)
+        ):
+            raise CorruptCheckpointError(directory, MANIFEST_FILE, f"malformed entry {entry!r}")
         listed[entry["name"]] = entry
     for required in (MODEL_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, PROBE_FILE):
         if required not in listed:

@@ -1,0 +1,387 @@
+"""One owner for every checkpoint decision: when to save, what to resume from, what to keep."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from pipeline.checkpoint.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
+from pipeline.checkpoint.layout import (
+    COMMITTED_FILE,
+    MANIFEST_FILE,
+    PROBE_FILE,
+    checkpoint_dir_name,
+    fsync_dir,
+)
+from pipeline.checkpoint.state import (
+    StagedCheckpoint,
+    TrainingState,
+    probe_logits,
+    restore_training_state,
+    stage_checkpoint,
+)
+from pipeline.checkpoint.verify import (
+    CheckpointContents,
+    CheckpointInfo,
+    checkpoint_dirs,
+    is_committed,
+    load_checkpoint,
+)
+from pipeline.checkpoint.writer import commit_checkpoint_dir, write_checkpoint_files
+from pipeline.states import CheckpointState
+
+if TYPE_CHECKING:
+    from pipeline.ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+# Test hook: sleep between MANIFEST.json and COMMITTED ("seconds" or "seconds@step"), so a
+# drill can kill the process, or fence the attempt, in the middle of a checkpoint write.
+FAULT_SLEEP_BEFORE_COMMIT = "TRACKS_FAULT_SLEEP_BEFORE_COMMIT"
+
+# GPU kernels are not bit-reproducible across processes; CPU ones are (single thread).
+_PROBE_RTOL, _PROBE_ATOL = 1e-4, 1e-5
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoint policy: how often to save and which committed checkpoints to keep."""
+
+    interval_steps: int = 100
+    keep_last_k: int = 3
+    keep_best_k: int = 0
+    best_metric: str | None = None
+    best_mode: Literal["min", "max"] = "min"
+
+    def __post_init__(self) -> None:
+        if self.interval_steps < 1:
+            raise ValueError(f"interval_steps must be >= 1, got {self.interval_steps}")
+        if self.keep_last_k < 1:
+            raise ValueError(f"keep_last_k must be >= 1, got {self.keep_last_k}")
+        if self.keep_best_k < 0:
+            raise ValueError(f"keep_best_k must be >= 0, got {self.keep_best_k}")
+        if self.keep_best_k and not self.best_metric:
+            raise ValueError("keep_best_k > 0 needs best_metric")
+        if self.best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
+
+
+class CheckpointManager:
+    """Saves, finds, restores, validates and retires the checkpoints of one run.
+
+    Works with ``ledger=None`` (standalone trainer): the directory is then the only record.
+    With a ledger, every save is fenced by the attempt's token and every state change
+    (writing, committed, corrupt, superseded) is recorded.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config: CheckpointConfig,
+        *,
+        run_id: str,
+        ledger: Ledger | None = None,
+        on_event: Callable[[str, dict], None] | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir).resolve()
+        self.config = config
+        self.run_id = run_id
+        self.ledger = ledger
+        self._on_event = on_event or (lambda name, fields: None)
+        self.attempt_no: int | None = None
+        self.fencing_token: int | None = None
+        self.last_committed: CheckpointInfo | None = None
+
+    def bind_attempt(self, attempt_no: int, fencing_token: int | None) -> None:
+        """Name the attempt whose saves this manager makes (and the token that fences them)."""
+        self.attempt_no = attempt_no
+        self.fencing_token = fencing_token
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        return step > 0 and step % self.config.interval_steps == 0
+
+    def save(
+        self, state: TrainingState, *, metrics: dict[str, float] | None = None
+    ) -> CheckpointInfo:
+        """Stage ``state`` to host memory, write it and commit it (synchronously)."""
+        attempt_no = self._require_attempt()
+        # JSON (and PostgreSQL's json type) has no NaN or Infinity: such a metric is left out.
+        finite = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(v)}
+        staged = stage_checkpoint(state, run_id=self.run_id, attempt_no=attempt_no, metrics=finite)
+        return self.write_and_commit(staged)
+
+    def write_and_commit(self, staged: StagedCheckpoint) -> CheckpointInfo:
+        """Write a staged checkpoint and commit it; touches no live training objects.
+
+        The ledger commit (which enforces the fencing token) comes before COMMITTED is
+        renamed into place: a refused commit leaves an uncommitted directory, which readers
+        ignore, and the error propagates.
+        """
+        attempt_no = self._require_attempt()
+        directory = self.run_dir / checkpoint_dir_name(staged.step, attempt_no)
+        if is_committed(directory):
+            raise CheckpointError(f"checkpoint {directory} is already committed; not overwriting")
+        if directory.exists():
+            shutil.rmtree(directory)  # this attempt's own half-written leftover
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        parent = str(self.last_committed.path) if self.last_committed else None
+        if self.ledger is not None:
+            self.ledger.checkpoint_writing(
+                run_id=self.run_id,
+                attempt_no=attempt_no,
+                step=staged.step,
+                path=str(directory),
+                fencing_token=self._token(),
+                parent_path=parent,
+            )
+        written = write_checkpoint_files(
+            staged, directory, run_id=self.run_id, attempt_no=attempt_no
+        )
+        _fault_sleep_before_commit(staged.step)
+        if self.ledger is not None:
+            self.ledger.commit_checkpoint(
+                run_id=self.run_id,
+                attempt_no=attempt_no,
+                path=str(directory),
+                manifest_sha256=written.manifest_sha256,
+                size_bytes=written.size_bytes,
+                metrics=written.metrics,
+                fencing_token=self._token(),
+                step=staged.step,
+                parent_path=parent,
+            )
+        committed = commit_checkpoint_dir(written, fencing_token=self.fencing_token)
+        info = CheckpointInfo(
+            path=directory,
+            run_id=self.run_id,
+            attempt_no=attempt_no,
+            step=staged.step,
+            manifest_sha256=written.manifest_sha256,
+            fencing_token=self.fencing_token,
+            committed_at=committed["committed_at"],
+            size_bytes=written.size_bytes,
+            metrics=written.metrics,
+        )
+        self.last_committed = info
+        try:
+            self.apply_retention()
+        except Exception as exc:  # the commit stands; a missed clean-up is retried next save
+            log.warning("retention after %s failed: %s", directory, exc)
+            self._on_event("retention_failed", {"path": str(directory), "error": str(exc)})
+        return info
+
+    # -- resuming -------------------------------------------------------------------------
+
+    def committed_dirs(self) -> list[Path]:
+        """Committed checkpoint directories, newest first, minus those the ledger marked corrupt."""
+        corrupt = set()
+        if self.ledger is not None:
+            corrupt = {
+                c.path for c in self.ledger.checkpoints(self.run_id, [CheckpointState.CORRUPT])
+            }
+        return [d for d in checkpoint_dirs(self.run_dir) if str(d) not in corrupt]
+
+    def resume(self, state: TrainingState) -> CheckpointInfo | None:
+        """Restore ``state`` from the newest committed checkpoint that verifies and validates.
+
+        A candidate that fails is marked corrupt (in the ledger when attached) and the
+        previous one is tried. Returns None, with ``state`` untouched, when none is usable.
+        """
+        fresh: StagedCheckpoint | None = None
+        for directory in self.committed_dirs():
+            try:
+                contents = load_checkpoint(directory)
+                self._check_belongs(contents, state)
+                if fresh is None:
+                    fresh = stage_checkpoint(state, run_id=self.run_id, attempt_no=0)
+                self.restore(state, contents)
+            except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
+                self.mark_corrupt(directory, exc)
+                if fresh is not None:
+                    _restore_staged(state, fresh)
+                continue
+            self.last_committed = contents.info
+            return contents.info
+        return None
+
+    def restore(self, state: TrainingState, contents: CheckpointContents) -> None:
+        """Load ``contents`` into ``state`` and re-run the probe batch (post-restore validation)."""
+        try:
+            restore_training_state(
+                state,
+                model_tensors=contents.model,
+                training_tensors=contents.training_tensors,
+                trainer_state=contents.trainer_state,
+            )
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+            raise CorruptCheckpointError(
+                contents.info.path, "trainer_state.json", f"does not restore: {exc}"
+            ) from exc
+        if state.step != contents.info.step:
+            raise CorruptCheckpointError(
+                contents.info.path,
+                "trainer_state.json",
+                f"step {state.step} but COMMITTED says {contents.info.step}",
+            )
+        validate_probe(state, contents)
+
+    def _check_belongs(self, contents: CheckpointContents, state: TrainingState) -> None:
+        saved = contents.trainer_state
+        if saved.get("run_id") != self.run_id:
+            raise CorruptCheckpointError(
+                contents.info.path,
+                "trainer_state.json",
+                f"run_id {saved.get('run_id')!r} but the checkpoint lies under run {self.run_id!r}",
+            )
+        if saved.get("config_sha256") != state.config_sha256:
+            raise CheckpointMismatchError(
+                contents.info.path, "config_sha256", saved.get("config_sha256"), state.config_sha256
+            )
+        if (
+            state.data_manifest_sha256 is not None
+            and saved.get("data_manifest_sha256") != state.data_manifest_sha256
+        ):
+            raise CheckpointMismatchError(
+                contents.info.path,
+                "data_manifest_sha256",
+                saved.get("data_manifest_sha256"),
+                state.data_manifest_sha256,
+            )
+
+    def mark_corrupt(self, directory: Path, exc: Exception) -> None:
+        log.warning("skipping checkpoint %s: %s", directory, exc)
+        self._on_event("checkpoint_corrupt", {"path": str(directory), "detail": str(exc)})
+        if self.ledger is not None:
+            self.ledger.set_checkpoint_state(str(directory), CheckpointState.CORRUPT, str(exc))
+
+    # -- retention ------------------------------------------------------------------------
+
+    def apply_retention(self) -> list[Path]:
+        """Supersede and delete committed checkpoints beyond keep-last-K and best-K.
+
+        Never deletes the newest committed checkpoint, nor one an evaluation or promotion
+        references. Returns the directories deleted.
+        """
+        committed = self.committed_dirs()
+        if not committed:
+            return []
+        keep = set(committed[: self.config.keep_last_k])
+        keep.add(committed[0])
+        if self.config.keep_best_k and self.config.best_metric:
+            scored = [
+                (m, d)
+                for d in committed
+                if (m := _manifest_metric(d, self.config.best_metric)) is not None
+            ]
+            scored.sort(key=lambda pair: pair[0], reverse=self.config.best_mode == "max")
+            keep.update(d for _, d in scored[: self.config.keep_best_k])
+        referenced: set[str] = set()
+        if self.ledger is not None:
+            referenced = {str(Path(p).resolve()) for p in self.ledger.referenced_checkpoint_paths()}
+        deleted = []
+        for directory in committed:
+            if directory in keep or str(directory) in referenced:
+                continue
+            if self.ledger is not None:
+                self.ledger.set_checkpoint_state(
+                    str(directory),
+                    CheckpointState.SUPERSEDED,
+                    f"retention: beyond keep_last_k={self.config.keep_last_k}"
+                    f" and keep_best_k={self.config.keep_best_k}",
+                )
+            # COMMITTED goes first, so a half-deleted directory is never taken for a checkpoint.
+            (directory / COMMITTED_FILE).unlink(missing_ok=True)
+            fsync_dir(directory)
+            shutil.rmtree(directory, ignore_errors=True)
+            deleted.append(directory)
+        if deleted:
+            fsync_dir(self.run_dir)
+            self._on_event("checkpoints_superseded", {"paths": [str(d) for d in deleted]})
+        return deleted
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _require_attempt(self) -> int:
+        if self.attempt_no is None:
+            raise CheckpointError("bind_attempt() must name the attempt before it can save")
+        return self.attempt_no
+
+    def _token(self) -> int:
+        if self.fencing_token is None:
+            raise CheckpointError(
+                f"attempt {self.run_id}#{self.attempt_no} has a ledger but no fencing token"
+            )
+        return self.fencing_token
+
+
+def validate_probe(state: TrainingState, contents: CheckpointContents) -> None:
+    """Recompute the probe logits and compare: exactly on CPU, allclose where a GPU was involved."""
+    inputs, expected = contents.probe["inputs"], contents.probe["logits"]
+    actual = probe_logits(state.model, inputs).detach().cpu()
+    device = str(next(state.model.parameters()).device)
+    exact = contents.probe_device == "cpu" and device == "cpu"
+    if actual.shape != expected.shape:
+        raise CorruptCheckpointError(
+            contents.info.path,
+            PROBE_FILE,
+            f"post-restore probe logits have shape {tuple(actual.shape)},"
+            f" saved ones {tuple(expected.shape)}",
+        )
+    same = (
+        torch.equal(actual, expected)
+        if exact
+        else torch.allclose(actual, expected, rtol=_PROBE_RTOL, atol=_PROBE_ATOL)
+    )
+    if not same:
+        diff = (actual - expected).abs().max().item()
+        raise CorruptCheckpointError(
+            contents.info.path,
+            PROBE_FILE,
+            f"post-restore probe logits differ from those saved (max abs diff {diff:.3g},"
+            f" {'exact' if exact else 'allclose'} comparison, saved on {contents.probe_device},"
+            f" restored on {device})",
+        )
+
+
+def _restore_staged(state: TrainingState, staged: StagedCheckpoint) -> None:
+    restore_training_state(
+        state,
+        model_tensors=staged.model,
+        training_tensors=staged.training_tensors,
+        trainer_state=staged.trainer_state,
+    )
+
+
+def _manifest_metric(directory: Path, metric: str) -> float | None:
+    try:
+        value = json.loads((directory / MANIFEST_FILE).read_bytes()).get("metrics", {}).get(metric)
+    except (OSError, ValueError):
+        return None
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _fault_sleep_before_commit(step: int) -> None:
+    spec = os.environ.get(FAULT_SLEEP_BEFORE_COMMIT)
+    if not spec:
+        return
+    seconds, _, at_step = spec.partition("@")
+    if at_step and int(at_step) != step:
+        return
+    time.sleep(float(seconds))

@@ -1,0 +1,48 @@
+"""``python -m pipeline.trainer --config CONFIG.yaml --run-id RUN --store DIR [...]``.
+
+Trains RUN to max_steps, resuming from the newest committed checkpoint under DIR/RUN, and
+exits with a code from :mod:`pipeline.trainer.exit_codes` (0: the final checkpoint is committed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.trainer", description=__doc__)
+    parser.add_argument("--config", required=True, help="training config (YAML)")
+    parser.add_argument("--run-id", required=True, help="the run to train or resume")
+    parser.add_argument("--store", required=True, help="checkpoint store; the run uses STORE/RUN")
+    parser.add_argument("--ledger-url", help="SQLAlchemy URL of the ledger (optional)")
+    parser.add_argument("--attempt-no", type=int, help="attempt begun by an orchestrator")
+    parser.add_argument("--fencing-token", type=int, help="that attempt's fencing token")
+    args = parser.parse_args(argv)
+    if args.ledger_url and (args.attempt_no is None) != (args.fencing_token is None):
+        parser.error("--attempt-no and --fencing-token go together")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Installed before torch is imported: a SIGTERM during start-up still ends in a clean save.
+    from pipeline.trainer.train import StopRequest
+
+    stop = StopRequest()
+    stop.install()
+    from pipeline.trainer.train import run_training
+
+    return run_training(
+        args.config,
+        run_id=args.run_id,
+        store=args.store,
+        ledger_url=args.ledger_url,
+        attempt_no=args.attempt_no,
+        fencing_token=args.fencing_token,
+        stop=stop,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Who this trainer process is in the ledger, and the receipt it leaves when it stops.
+
+Three modes: standalone (no ledger: the run directory is the only record), orchestrated
+(``--attempt-no/--fencing-token``: Dagster began the attempt and will end it; the trainer
+heartbeats and commits checkpoints), and self-owned (``--ledger-url`` alone: the trainer
+creates the run if missing, begins the attempt and ends it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.checkpoint.layout import parse_checkpoint_dir_name, replace_atomically
+from pipeline.states import Purpose, TerminationReason
+
+if TYPE_CHECKING:
+    from pipeline.ledger import Ledger
+    from pipeline.trainer.config import TrainConfig
+    from pipeline.trainer.reporting import Reporter
+
+HEARTBEAT_SECONDS = 5.0
+_LAST_WORDS_RE = re.compile(r"^attempt-(\d+)\.last_words\.json$")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended: one reason, its exit code and one honest sentence."""
+
+    reason: TerminationReason
+    exit_code: int
+    detail: str
+    step: int | None = None
+    exception: BaseException | None = None
+    signal: str | None = None
+
+
+def last_words_path(store: str | Path, run_id: str, attempt_no: int) -> Path:
+    """``<store>/<run_id>/attempt-<n>.last_words.json``: what the classifier reads."""
+    return Path(store) / run_id / f"attempt-{attempt_no}.last_words.json"
+
+
+def next_standalone_attempt_no(run_dir: Path) -> int:
+    """Without a ledger, the next attempt number is one past any the run directory shows."""
+    seen = [0]
+    if run_dir.is_dir():
+        for child in run_dir.iterdir():
+            if parsed := parse_checkpoint_dir_name(child.name):
+                seen.append(parsed[1])
+            elif match := _LAST_WORDS_RE.match(child.name):
+                seen.append(int(match[1]))
+    return max(seen) + 1
+
+
+class AttemptHandle:
+    """The attempt's number, fencing token and ledger duties, whichever mode it runs in."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        run_dir: Path,
+        ledger: Ledger | None,
+        attempt_no: int | None,
+        fencing_token: int | None,
+        reporter: Reporter,
+    ) -> None:
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.ledger = ledger
+        self.owns_attempt = ledger is not None and attempt_no is None
+        if ledger is None and attempt_no is None:
+            attempt_no = next_standalone_attempt_no(run_dir)
+        self.attempt_no = attempt_no
+        self.fencing_token = fencing_token
+        self.begun = not self.owns_attempt
+        self._reporter = reporter
+        self._last_heartbeat = 0.0
+
+    def begin(
+        self,
+        config: TrainConfig,
+        *,
+        snapshot_id: str | None,
+        data_manifest_sha256: str | None,
+        resumed_from: str | None,
+    ) -> None:
+        """Self-owned mode: create the run if missing and begin the attempt (fresh token)."""
+        if self.begun or self.ledger is None:
+            return
+        from sqlalchemy.exc import IntegrityError
+
+        from pipeline.environment import code_commit, container_digest, placement
+        from pipeline.ledger import AttemptStart, UnknownRunError
+
+        commit = code_commit()
+        try:
+            run = self.ledger.get_run(self.run_id)
+        except UnknownRunError:
+            # Another process may create it between our read and insert: its row is as good.
+            with contextlib.suppress(IntegrityError):
+                self.ledger.create_run(
+                    run_id=self.run_id,
+                    model_family=config.model_family,
+                    owner=_owner(),
+                    purpose=Purpose.BASELINE,
+                    config_sha256=config.sha256(),
+                    snapshot_id=snapshot_id or Path(config.snapshot_dir).name,
+                    code_commit=commit,
+                )
+            run = self.ledger.get_run(self.run_id)
+        if run.config_sha256 != config.sha256():
+            self._reporter.event(
+                "run_config_differs",
+                {"run_id": self.run_id, "run": run.config_sha256, "attempt": config.sha256()},
+                level="warning",
+            )
+        record = self.ledger.begin_attempt(
+            self.run_id,
+            AttemptStart(
+                config_snapshot=config.to_dict(),
+                config_sha256=config.sha256(),
+                data_manifest_sha256=data_manifest_sha256 or "unknown",
+                container_digest=container_digest(),
+                placement=placement(),
+                dagster_run_id=os.environ.get("DAGSTER_RUN_ID"),
+                code_commit=commit,
+                resumed_from_checkpoint=resumed_from,
+            ),
+        )
+        self.attempt_no, self.fencing_token, self.begun = (
+            record.attempt_no,
+            record.fencing_token,
+            True,
+        )
+
+    def heartbeat(self, step: int, *, force: bool = False) -> None:
+        """Every few seconds (and on each checkpoint); a missed heartbeat never stops training."""
+        if self.ledger is None or self.attempt_no is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_heartbeat < HEARTBEAT_SECONDS:
+            return
+        self._last_heartbeat = now
+        try:
+            self.ledger.heartbeat(self.run_id, self.attempt_no, step=step)
+        except Exception as exc:
+            self._reporter.event(
+                "heartbeat_failed", {"step": step, "error": str(exc)[:300]}, level="warning"
+            )
+
+    def end(self, outcome: Outcome, *, cpu_seconds: float, gpu_seconds: float) -> None:
+        """Self-owned mode only: the orchestrator ends attempts it began."""
+        if not self.owns_attempt or not self.begun or self.ledger is None:
+            return
+        assert self.attempt_no is not None
+        self.ledger.end_attempt(
+            self.run_id,
+            self.attempt_no,
+            termination_reason=outcome.reason,
+            termination_detail=outcome.detail,
+            exit_code=outcome.exit_code,
+            signal=outcome.signal,
+            cpu_seconds=cpu_seconds,
+            gpu_seconds=gpu_seconds,
+            last_step=outcome.step,
+        )
+
+
+def _owner() -> str:
+    try:
+        return os.environ.get("USER") or getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry for this uid (common in containers)
+        return f"uid-{os.getuid()}"
+
+
+def write_last_words(
+    path: Path, *, run_id: str, attempt_no: int, outcome: Outcome, last_checkpoint: str | None
+) -> None:
+    """The trainer's last words, written atomically before it exits on a classified stop."""
+    exc = outcome.exception
+    payload: dict[str, Any] = {
+        "run_id": run_id,
+        "attempt_no": attempt_no,
+        "reason": str(outcome.reason),
+        "exit_code": outcome.exit_code,
+        "detail": outcome.detail,
+        "step": outcome.step,
+        "signal": outcome.signal,
+        "exception_type": type(exc).__qualname__ if exc else None,
+        "exception_module": type(exc).__module__ if exc else None,
+        "exception_message": str(exc)[:2000] if exc else None,
+        "errno": exc.errno if isinstance(exc, OSError) and isinstance(exc.errno, int) else None,
+        "last_checkpoint": last_checkpoint,
+        "pid": os.getpid(),
+        "written_at": datetime.now(UTC).isoformat(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_atomically(path, json.dumps(payload, indent=1, sort_keys=True).encode())

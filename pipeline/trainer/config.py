@@ -1,0 +1,216 @@
+"""``TrainConfig``: the flat, printed, immutable description of one training run (nanoGPT style).
+
+Loaded from YAML with every key checked: an unknown, missing or mistyped key is a
+:class:`ConfigError` naming the file and the key. ``to_dict()`` is the resolved config (defaults
+filled in, ``snapshot_dir`` absolute) that the ledger stores as the attempt's config snapshot and
+every checkpoint carries; ``sha256()`` is its digest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Self
+
+from pipeline.digests import sha256_json
+
+OPTIMIZERS = ("adam", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "step")
+BEST_MODES = ("min", "max")
+DEVICES = ("cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A training config that does not load; names the file and the key."""
+
+    def __init__(self, source: str, key: str | None, problem: str) -> None:
+        where = f"{source}: {key}" if key else source
+        super().__init__(f"{where}: {problem}")
+        self.source = source
+        self.key = key
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The ``model`` section, as :func:`pipeline.trainer.model.build_model` reads it."""
+
+    channels: int = 16
+    hidden: int = 64
+    dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class LRScheduleConfig:
+    """``constant``; ``cosine`` from learning_rate to ``min_lr`` over max_steps; or ``step``."""
+
+    kind: str = "constant"
+    min_lr: float = 0.0
+    step_size: int = 100
+    gamma: float = 0.5
+
+
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One run's training config; build with :meth:`load` (YAML) or :meth:`from_dict`."""
+
+    seed: int
+    max_steps: int
+    checkpoint_every_steps: int
+    batch_size: int
+    learning_rate: float
+    optimizer: str
+    model: ModelConfig
+    snapshot_dir: str
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # sgd only
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    keep_last_k: int = 3
+    keep_best_k: int = 1
+    best_metric: str = "eval_loss"
+    best_mode: str = "min"
+    model_family: str = "digits-cnn"
+    max_wall_seconds: float | None = None
+    log_every_steps: int = 10
+    probe_size: int = 16
+    device: str = "cpu"
+
+    @classmethod
+    def load(cls, path: str | Path) -> Self:
+        """Read a YAML file; relative ``snapshot_dir`` paths resolve against its folder."""
+        import yaml
+
+        path = Path(path)
+        source = str(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(source, None, f"cannot be read ({exc.strerror or exc})") from exc
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(source, None, f"is not valid YAML ({exc})") from exc
+        return cls.from_dict(raw, source=source, base_dir=path.resolve().parent)
+
+    @classmethod
+    def from_dict(
+        cls, raw: Any, *, source: str = "<config>", base_dir: str | Path | None = None
+    ) -> Self:
+        if not isinstance(raw, dict):
+            raise ConfigError(source, None, f"must be a mapping, got {type(raw).__name__}")
+        values = _check_section(raw, cls, source, prefix="", skip={"model", "lr_schedule"})
+        model_raw = raw.get("model", _REQUIRED)
+        if model_raw is _REQUIRED:
+            raise ConfigError(source, "model", "is required")
+        values["model"] = ModelConfig(**_check_section(model_raw, ModelConfig, source, "model."))
+        schedule_raw = raw.get("lr_schedule", {})
+        values["lr_schedule"] = LRScheduleConfig(
+            **_check_section(schedule_raw, LRScheduleConfig, source, "lr_schedule.")
+        )
+        snapshot_dir = Path(values["snapshot_dir"]).expanduser()
+        if not snapshot_dir.is_absolute() and base_dir is not None:
+            snapshot_dir = Path(base_dir) / snapshot_dir
+        values["snapshot_dir"] = str(snapshot_dir.resolve())
+        config = cls(**values)
+        config._validate(source)
+        return config
+
+    def _validate(self, source: str) -> None:
+        def bad(key: str, problem: str) -> ConfigError:
+            return ConfigError(source, key, problem)
+
+        for key in ("max_steps", "checkpoint_every_steps", "batch_size", "keep_last_k",
+                    "log_every_steps", "probe_size"):  # fmt: skip
+            if getattr(self, key) < 1:
+                raise bad(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.keep_best_k < 0:
+            raise bad("keep_best_k", f"must be >= 0, got {self.keep_best_k}")
+        if not self.learning_rate > 0:
+            raise bad("learning_rate", f"must be > 0, got {self.learning_rate}")
+        if self.weight_decay < 0:
+            raise bad("weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if self.optimizer not in OPTIMIZERS:
+            raise bad(
+                "optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if self.lr_schedule.kind not in LR_SCHEDULES:
+            raise bad(
+                "lr_schedule.kind",
+                f"must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule.kind!r}",
+            )
+        if self.lr_schedule.step_size < 1:
+            raise bad("lr_schedule.step_size", f"must be >= 1, got {self.lr_schedule.step_size}")
+        if self.best_mode not in BEST_MODES:
+            raise bad("best_mode", f"must be min or max, got {self.best_mode!r}")
+        if self.device not in DEVICES:
+            raise bad("device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.max_wall_seconds is not None and self.max_wall_seconds <= 0:
+            raise bad("max_wall_seconds", f"must be > 0, got {self.max_wall_seconds}")
+        if self.model.channels < 1 or self.model.hidden < 1:
+            raise bad("model", "channels and hidden must be >= 1")
+        if not 0.0 <= self.model.dropout < 1.0:
+            raise bad("model.dropout", f"must be in [0, 1), got {self.model.dropout}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config: every key, defaults filled in, plain JSON values."""
+        return asdict(self)
+
+    def sha256(self) -> str:
+        return sha256_json(self.to_dict())
+
+
+def _check_section(
+    raw: Any, cls: type, source: str, prefix: str, skip: set[str] | None = None
+) -> dict[str, Any]:
+    """Type-check one mapping against a dataclass's fields; unknown and missing keys raise."""
+    section = prefix.rstrip(".") or None
+    if not isinstance(raw, dict):
+        raise ConfigError(source, section, f"must be a mapping, got {type(raw).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(
+                source, f"{prefix}{key}", f"is not a known key (known: {', '.join(sorted(known))})"
+            )
+    values: dict[str, Any] = {}
+    for name, spec in known.items():
+        if skip and name in skip:
+            continue
+        key = f"{prefix}{name}"
+        if name not in raw:
+            if spec.default is MISSING and spec.default_factory is MISSING:
+                raise ConfigError(source, key, "is required")
+            continue
+        values[name] = _coerce(raw[name], spec.type, source, key)
+    return values
+
+
+def _coerce(value: Any, annotation: Any, source: str, key: str) -> Any:
+    kind = str(annotation)
+    optional = "None" in kind
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(source, key, "must not be null")
+    if kind.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(source, key, f"must be an integer, got {value!r}")
+        return value
+    if kind.startswith("float"):
+        if isinstance(value, str):
+            # PyYAML reads ``3e-4`` (no dot) as a string: accept what is plainly a number.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(source, key, f"must be a number, got {value!r}")
+        return float(value)
+    if kind.startswith("str"):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(source, key, f"must be a non-empty string, got {value!r}")
+        return value
+    raise AssertionError(f"unhandled config type {kind} for {key}")

@@ -1,0 +1,511 @@
+"""The training loop: build, maybe resume, step, maybe save (nanoGPT / torchtitan style).
+
+``run_training`` never raises and never exits: it returns the exit code, having written the
+receipt (last words, ledger) for whatever happened. Determinism is a feature here: with the
+same config and snapshot, an interrupted-and-resumed run on CPU reproduces an uninterrupted
+one bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipeline.checkpoint import (
+    CheckpointConfig,
+    CheckpointInfo,
+    CheckpointManager,
+    CheckpointMismatchError,
+    TrainingState,
+)
+from pipeline.states import TerminationReason
+from pipeline.trainer import exit_codes
+from pipeline.trainer.attempt import (
+    AttemptHandle,
+    Outcome,
+    last_words_path,
+    next_standalone_attempt_no,
+    write_last_words,
+)
+from pipeline.trainer.config import ConfigError, TrainConfig
+from pipeline.trainer.data import BadInputError, EpochSampler, TrainingData, load_training_data
+from pipeline.trainer.model import build_model
+from pipeline.trainer.reporting import Reporter, make_reporter
+
+# Test hook: after step N, pause ("seconds@N") until the pause ends or a stop is requested,
+# so a drill can SIGKILL or SIGTERM the trainer at a known step.
+FAULT_SLEEP_AFTER_STEP = "TRACKS_FAULT_SLEEP_AFTER_STEP"
+
+
+class StopRequest:
+    """SIGTERM and SIGINT only set this flag: the loop finishes its step, saves, and exits."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def install(self) -> None:
+        # Dagster Pipes forwards a run's termination as SIGINT, schedulers send SIGTERM.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+
+def run_training(
+    config: TrainConfig | str | Path,
+    *,
+    run_id: str,
+    store: str | Path,
+    ledger_url: str | None = None,
+    attempt_no: int | None = None,
+    fencing_token: int | None = None,
+    reporter: Reporter | None = None,
+    stop: StopRequest | None = None,
+) -> int:
+    """Train ``run_id`` to ``max_steps`` under ``store``, resuming from its newest checkpoint.
+
+    Returns an exit code from :mod:`pipeline.trainer.exit_codes`. ``config`` may be a path
+    to a YAML file (a config that does not load is a ``CONFIG_ERROR`` with last words).
+    """
+    started, cpu_started = time.monotonic(), time.process_time()
+    reporter = reporter or make_reporter()
+    stop = stop or StopRequest()
+    run_dir = Path(store).resolve() / run_id
+    attempt: AttemptHandle | None = None
+    trainer: Trainer | None = None
+    loaded: TrainConfig | None = None
+    try:
+        loaded = config if isinstance(config, TrainConfig) else TrainConfig.load(config)
+        ledger = _open_ledger(ledger_url, orchestrated=attempt_no is not None)
+        attempt = AttemptHandle(
+            run_id=run_id,
+            run_dir=run_dir,
+            ledger=ledger,
+            attempt_no=attempt_no,
+            fencing_token=fencing_token,
+            reporter=reporter,
+        )
+        trainer = Trainer(loaded, attempt, reporter, stop, started=started)
+        outcome = trainer.run()
+    except Exception as exc:
+        outcome = classify_exception(exc, step=trainer.step if trainer else None)
+        reporter.event(
+            "error",
+            {"reason": str(outcome.reason), "traceback": traceback.format_exc(limit=20)},
+            level="error",
+        )
+    wall = time.monotonic() - started
+    number = _leave_receipt(
+        outcome,
+        config=loaded,
+        attempt=attempt,
+        trainer=trainer,
+        reporter=reporter,
+        store=Path(store),
+        run_id=run_id,
+        attempt_no=attempt_no,
+        cpu_seconds=time.process_time() - cpu_started,
+        gpu_seconds=wall * torch.cuda.device_count() if trainer and trainer.on_gpu else 0.0,
+    )
+    reporter.event(
+        "attempt_finished",
+        {
+            "run_id": run_id,
+            "attempt_no": number,
+            "reason": str(outcome.reason),
+            "exit_code": outcome.exit_code,
+            "detail": outcome.detail,
+            "step": outcome.step,
+            "last_checkpoint": trainer.last_checkpoint_path if trainer else None,
+            "wall_seconds": round(wall, 3),
+        },
+        level="info" if outcome.exit_code == exit_codes.SUCCEEDED else "warning",
+    )
+    reporter.close()
+    return outcome.exit_code
+
+
+def _leave_receipt(
+    outcome: Outcome,
+    *,
+    config: TrainConfig | None,
+    attempt: AttemptHandle | None,
+    trainer: Trainer | None,
+    reporter: Reporter,
+    store: Path,
+    run_id: str,
+    attempt_no: int | None,
+    cpu_seconds: float,
+    gpu_seconds: float,
+) -> int:
+    """End a self-owned attempt in the ledger and write last words; returns the attempt number."""
+    data = trainer.data if trainer else None
+    if attempt is not None and config is not None:
+        try:
+            if not attempt.begun and outcome.reason != TerminationReason.SUCCEEDED:
+                # Failed before it could begin: still a first-class attempt row.
+                attempt.begin(
+                    config,
+                    snapshot_id=data.snapshot_id if data else None,
+                    data_manifest_sha256=data.manifest_sha256 if data else None,
+                    resumed_from=None,
+                )
+            attempt.end(outcome, cpu_seconds=cpu_seconds, gpu_seconds=gpu_seconds)
+        except Exception as exc:
+            reporter.event("ledger_unreachable", {"error": str(exc)[:500]}, level="error")
+    number = (attempt.attempt_no if attempt else None) or attempt_no
+    if number is None:
+        number = next_standalone_attempt_no(store.resolve() / run_id)
+    if outcome.reason != TerminationReason.SUCCEEDED:
+        try:
+            write_last_words(
+                last_words_path(store, run_id, number),
+                run_id=run_id,
+                attempt_no=number,
+                outcome=outcome,
+                last_checkpoint=trainer.last_checkpoint_path if trainer else None,
+            )
+        except OSError as exc:
+            reporter.event("last_words_unwritten", {"error": str(exc)[:500]}, level="error")
+    return number
+
+
+class Trainer:
+    """One attempt's training: build, maybe resume, step, maybe save."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        attempt: AttemptHandle,
+        reporter: Reporter,
+        stop: StopRequest,
+        *,
+        started: float,
+    ) -> None:
+        self.config = config
+        self.attempt = attempt
+        self.reporter = reporter
+        self.stop = stop
+        self.started = started
+        self.step: int | None = None
+        self.data: TrainingData | None = None
+        self.on_gpu = config.device == "cuda"
+        self.last_checkpoint: CheckpointInfo | None = None
+
+    @property
+    def last_checkpoint_path(self) -> str | None:
+        return str(self.last_checkpoint.path) if self.last_checkpoint else None
+
+    def run(self) -> Outcome:
+        cfg = self.config
+        device = _make_deterministic(cfg)
+        self.data = data = load_training_data(cfg.snapshot_dir).to(device)
+        state = self._build(data, device)
+        manager = CheckpointManager(
+            self.attempt.run_dir,
+            CheckpointConfig(
+                interval_steps=cfg.checkpoint_every_steps,
+                keep_last_k=cfg.keep_last_k,
+                keep_best_k=cfg.keep_best_k,
+                best_metric=cfg.best_metric,
+                best_mode=cfg.best_mode,  # type: ignore[arg-type]
+            ),
+            run_id=self.attempt.run_id,
+            ledger=self.attempt.ledger,
+            on_event=self._checkpoint_event,
+        )
+        resumed = manager.resume(state)
+        self.step, self.last_checkpoint = state.step, resumed
+        if resumed is not None and state.step >= cfg.max_steps:
+            return Outcome(
+                TerminationReason.SUCCEEDED,
+                exit_codes.SUCCEEDED,
+                f"The final checkpoint (step {state.step}) was already committed at "
+                f"{resumed.path}; nothing left to train.",
+                step=state.step,
+            )
+        self.attempt.begin(
+            cfg,
+            snapshot_id=data.snapshot_id,
+            data_manifest_sha256=data.manifest_sha256,
+            resumed_from=str(resumed.path) if resumed else None,
+        )
+        manager.bind_attempt(self.attempt.attempt_no, self.attempt.fencing_token)  # type: ignore[arg-type]
+        self.reporter.event(
+            "attempt_started",
+            {
+                "run_id": self.attempt.run_id,
+                "attempt_no": self.attempt.attempt_no,
+                "step": state.step,
+                "max_steps": cfg.max_steps,
+                "resumed_from": str(resumed.path) if resumed else None,
+                "config_sha256": state.config_sha256,
+                "snapshot_id": data.snapshot_id,
+                "config": state.config,
+            },
+        )
+        self.attempt.heartbeat(state.step, force=True)
+        return self._loop(state, manager, data)
+
+    def _build(self, data: TrainingData, device: torch.device) -> TrainingState:
+        cfg = self.config
+        model = build_model(cfg.to_dict()["model"]).to(device)
+        if cfg.optimizer == "adam":
+            optimizer: torch.optim.Optimizer = torch.optim.Adam(
+                model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+            )
+        else:
+            optimizer = torch.optim.SGD(
+                model.parameters(),
+                lr=cfg.learning_rate,
+                momentum=cfg.momentum,
+                weight_decay=cfg.weight_decay,
+            )
+        schedule = cfg.lr_schedule
+        scheduler: Any = None
+        if schedule.kind == "cosine":
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+                optimizer, T_max=cfg.max_steps, eta_min=schedule.min_lr
+            )
+        elif schedule.kind == "step":
+            scheduler = torch.optim.lr_scheduler.StepLR(
+                optimizer, step_size=schedule.step_size, gamma=schedule.gamma
+            )
+        try:
+            sampler = EpochSampler(len(data.train_labels), cfg.batch_size, cfg.seed)
+        except ValueError as exc:
+            raise ConfigError("config", "batch_size", str(exc)) from exc
+        return TrainingState(
+            model=model,
+            optimizer=optimizer,
+            data_cursor=sampler,
+            config=cfg.to_dict(),
+            config_sha256=cfg.sha256(),
+            probe_inputs=data.eval_images[: cfg.probe_size],
+            lr_scheduler=scheduler,
+            data_manifest_sha256=data.manifest_sha256,
+            snapshot_id=data.snapshot_id,
+        )
+
+    def _loop(
+        self, state: TrainingState, manager: CheckpointManager, data: TrainingData
+    ) -> Outcome:
+        cfg = self.config
+        first_step = state.step
+        window_start, window_steps = time.monotonic(), 0
+        while state.step < cfg.max_steps:
+            loss = train_step(state, data)
+            state.step += 1
+            self.step = state.step
+            window_steps += 1
+            if not math.isfinite(loss):
+                return self._diverged(loss, state.step)
+            if state.step % cfg.log_every_steps == 0 or state.step == cfg.max_steps:
+                now = time.monotonic()
+                self.reporter.step(
+                    {
+                        "run_id": self.attempt.run_id,
+                        "attempt_no": self.attempt.attempt_no,
+                        "step": state.step,
+                        "loss": loss,
+                        "lr": state.optimizer.param_groups[0]["lr"],
+                        "epoch": state.data_cursor.epoch,  # type: ignore[attr-defined]
+                        "examples_per_second": round(
+                            window_steps * cfg.batch_size / max(now - window_start, 1e-9), 1
+                        ),
+                    }
+                )
+                window_start, window_steps = now, 0
+            self.attempt.heartbeat(state.step)
+            _fault_sleep_after_step(state.step, self.stop)
+            timed_out = (
+                cfg.max_wall_seconds is not None
+                and time.monotonic() - self.started >= cfg.max_wall_seconds
+            )
+            last = state.step >= cfg.max_steps
+            if manager.should_save(state.step) or last or self.stop.requested or timed_out:
+                self._save(state, manager, data, loss)
+            if last:
+                break
+            if self.stop.requested:
+                return Outcome(
+                    TerminationReason.PREEMPTED,
+                    exit_codes.PREEMPTED,
+                    f"Stopped on {self.stop.signal_name} after step {state.step} of "
+                    f"{cfg.max_steps} and committed a checkpoint at step {state.step}.",
+                    step=state.step,
+                    signal=self.stop.signal_name,
+                )
+            if timed_out:
+                return Outcome(
+                    TerminationReason.TIMEOUT,
+                    exit_codes.TIMEOUT,
+                    f"Reached max_wall_seconds={cfg.max_wall_seconds} at step {state.step} of "
+                    f"{cfg.max_steps} and committed a checkpoint at step {state.step}.",
+                    step=state.step,
+                )
+        return Outcome(
+            TerminationReason.SUCCEEDED,
+            exit_codes.SUCCEEDED,
+            f"Trained steps {first_step + 1}-{state.step} of {cfg.max_steps} and committed the "
+            f"final checkpoint {self.last_checkpoint_path}.",
+            step=state.step,
+        )
+
+    def _save(
+        self, state: TrainingState, manager: CheckpointManager, data: TrainingData, loss: float
+    ) -> None:
+        metrics = {"train_loss": loss, **evaluate(state.model, data.eval_images, data.eval_labels)}
+        info = manager.save(state, metrics=metrics)
+        self.last_checkpoint = info
+        self.reporter.checkpoint_committed(
+            {
+                "run_id": info.run_id,
+                "attempt_no": info.attempt_no,
+                "step": info.step,
+                "path": str(info.path),
+                "manifest_sha256": info.manifest_sha256,
+                "bytes": info.size_bytes,
+                "metrics": metrics,
+            }
+        )
+        self.attempt.heartbeat(state.step, force=True)
+
+    def _checkpoint_event(self, name: str, fields: dict[str, Any]) -> None:
+        level = "warning" if name in ("checkpoint_corrupt", "retention_failed") else "info"
+        self.reporter.event(name, fields, level=level)
+
+    def _diverged(self, loss: float, step: int) -> Outcome:
+        where = (
+            f"the last committed checkpoint is step {self.last_checkpoint.step}"
+            if self.last_checkpoint
+            else "no checkpoint was committed"
+        )
+        return Outcome(
+            TerminationReason.DIVERGED,
+            exit_codes.DIVERGED,
+            f"Loss became {loss} at step {step}; stopped without saving, {where}.",
+            step=step,
+        )
+
+
+def train_step(state: TrainingState, data: TrainingData) -> float:
+    """One optimizer step on the next batch of the data cursor; returns the loss."""
+    indices = state.data_cursor.next_indices()  # type: ignore[attr-defined]
+    images, labels = data.train_images[indices], data.train_labels[indices]
+    state.optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(state.model(images), labels)
+    loss.backward()
+    state.optimizer.step()
+    if state.lr_scheduler is not None:
+        state.lr_scheduler.step()
+    return float(loss.item())
+
+
+def evaluate(
+    model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor
+) -> dict[str, float]:
+    """Eval loss and accuracy (eval mode, no grad, no RNG: the trajectory is untouched)."""
+    was_training = model.training
+    model.eval()
+    total_loss, correct = 0.0, 0
+    try:
+        with torch.no_grad():
+            for start in range(0, len(labels), 512):
+                logits = model(images[start : start + 512])
+                batch = labels[start : start + 512]
+                total_loss += F.cross_entropy(logits, batch, reduction="sum").item()
+                correct += int((logits.argmax(dim=1) == batch).sum().item())
+    finally:
+        model.train(was_training)
+    count = max(len(labels), 1)
+    return {"eval_loss": total_loss / count, "eval_accuracy": correct / count}
+
+
+def classify_exception(exc: BaseException, *, step: int | None) -> Outcome:
+    """One termination reason and exit code for an exception that ended the attempt."""
+    from pipeline.data.errors import DataError
+    from pipeline.ledger import LedgerError, StaleFencingTokenError
+
+    reason, code = TerminationReason.USER_CODE_ERROR, exit_codes.USER_CODE_ERROR
+    if isinstance(exc, StaleFencingTokenError):
+        reason, code = TerminationReason.CANCELLED, exit_codes.FENCED
+    elif isinstance(exc, ConfigError | CheckpointMismatchError | LedgerError):
+        reason, code = TerminationReason.USER_CODE_ERROR, exit_codes.CONFIG_ERROR
+    elif isinstance(exc, DataError):
+        reason = exc.termination_reason
+        code = {
+            TerminationReason.BAD_INPUT: exit_codes.BAD_INPUT,
+            TerminationReason.INFRA_TRANSIENT: exit_codes.INFRA_TRANSIENT,
+        }.get(reason, exit_codes.USER_CODE_ERROR)
+    elif isinstance(exc, BadInputError):
+        reason, code = TerminationReason.BAD_INPUT, exit_codes.BAD_INPUT
+    elif isinstance(exc, torch.OutOfMemoryError):
+        reason, code = TerminationReason.OOM, exit_codes.OOM
+    elif isinstance(exc, OSError) or _is_database_error(exc):
+        reason, code = TerminationReason.INFRA_TRANSIENT, exit_codes.INFRA_TRANSIENT
+    where = f" at step {step}" if step is not None else " before the first step"
+    message = " ".join(str(exc).split())[:600]
+    return Outcome(
+        reason, code, f"{type(exc).__name__}{where}: {message}", step=step, exception=exc
+    )
+
+
+def _is_database_error(exc: BaseException) -> bool:
+    try:
+        from sqlalchemy.exc import DBAPIError
+    except ImportError:
+        return False
+    return isinstance(exc, DBAPIError)
+
+
+def _open_ledger(url: str | None, *, orchestrated: bool) -> Any:
+    if not url:
+        return None
+    from pipeline.ledger import Ledger
+
+    # The orchestrator migrated the schema before it began the attempt.
+    return Ledger(url) if orchestrated else Ledger.open(url)
+
+
+def _make_deterministic(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("config", "device", "is cuda but no CUDA device is visible")
+        # Needed by deterministic cuBLAS; must be set before the first CUDA call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    torch.use_deterministic_algorithms(True)
+    # One thread: float reductions then add in one order, in every process.
+    torch.set_num_threads(1)
+    return torch.device(cfg.device)
+
+
+def _fault_sleep_after_step(step: int, stop: StopRequest) -> None:
+    spec = os.environ.get(FAULT_SLEEP_AFTER_STEP)
+    if not spec:
+        return
+    seconds, _, at_step = spec.partition("@")
+    if at_step and int(at_step) != step:
+        return
+    deadline = time.monotonic() + float(seconds)
+    while time.monotonic() < deadline and not stop.requested:
+        time.sleep(0.02)

@@ -1,0 +1,471 @@
+"""The checkpoint protocol in-process: write order, verification, no pickle, resume, retention."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
+
+from pipeline.checkpoint import (
+    COMMITTED_FILE,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    PROBE_FILE,
+    TRAINER_STATE_FILE,
+    CheckpointConfig,
+    CheckpointManager,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    TrainingState,
+    UnsafeCheckpointError,
+    checkpoint_dirs,
+    refuse_pickle,
+    verify_checkpoint,
+)
+from pipeline.checkpoint import writer as checkpoint_writer
+from pipeline.checkpoint.codec import StateEncodingError, decode_state, encode_state
+from pipeline.digests import sha256_bytes
+from pipeline.ledger import AttemptStart, EvaluationRecord, Ledger, StaleFencingTokenError
+from pipeline.states import CheckpointState
+from pipeline.trainer.data import EpochSampler, TrainingData
+from pipeline.trainer.model import build_model
+from pipeline.trainer.train import train_step
+
+RUN_ID = "run-ckpt"
+MODEL_CONFIG = {"channels": 4, "hidden": 16, "dropout": 0.1}
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> None:
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+
+
+def _data(n: int = 96) -> TrainingData:
+    generator = torch.Generator().manual_seed(1234)
+    images = torch.rand(n, 1, 8, 8, generator=generator)
+    labels = torch.randint(0, 10, (n,), generator=generator)
+    return TrainingData("snap-test", "f" * 64, images, labels, images[:24], labels[:24])
+
+
+def _state(data: TrainingData, *, seed: int = 0, optimizer: str = "adam") -> TrainingState:
+    torch.manual_seed(seed)
+    model = build_model(MODEL_CONFIG)
+    if optimizer == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50)
+    return TrainingState(
+        model=model,
+        optimizer=opt,
+        data_cursor=EpochSampler(len(data.train_labels), 16, seed=7),
+        config={"model": MODEL_CONFIG, "optimizer": optimizer},
+        config_sha256="c" * 64,
+        probe_inputs=data.eval_images[:8],
+        lr_scheduler=scheduler,
+        data_manifest_sha256=data.manifest_sha256,
+        snapshot_id=data.snapshot_id,
+    )
+
+
+def _steps(state: TrainingState, data: TrainingData, count: int) -> list[float]:
+    losses = []
+    for _ in range(count):
+        losses.append(train_step(state, data))
+        state.step += 1
+    return losses
+
+
+def _manager(tmp_path: Path, *, ledger: Ledger | None = None, attempt: int = 1,
+             token: int | None = None, **config: object) -> CheckpointManager:  # fmt: skip
+    manager = CheckpointManager(
+        tmp_path / "store" / RUN_ID,
+        CheckpointConfig(**{"interval_steps": 10, "keep_last_k": 10, **config}),  # type: ignore[arg-type]
+        run_id=RUN_ID,
+        ledger=ledger,
+    )
+    manager.bind_attempt(attempt, token)
+    return manager
+
+
+def _save_at(manager: CheckpointManager, state: TrainingState, data: TrainingData,
+             steps: list[int], metrics: dict[int, float] | None = None) -> list[Path]:  # fmt: skip
+    paths = []
+    for target in steps:
+        _steps(state, data, target - state.step)
+        loss = (metrics or {}).get(target, 1.0)
+        paths.append(manager.save(state, metrics={"eval_loss": loss}).path)
+    return paths
+
+
+@dataclass
+class LedgerRun:
+    ledger: Ledger
+    attempt_no: int
+    token: int
+
+
+def _ledger_run(tmp_path: Path) -> LedgerRun:
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'ledger.db'}")
+    ledger.create_run(
+        run_id=RUN_ID, model_family="digits-cnn", owner="test", purpose="baseline",
+        config_sha256="c" * 64, snapshot_id="snap-test",
+    )  # fmt: skip
+    return LedgerRun(ledger, *_begin(ledger))
+
+
+def _begin(ledger: Ledger) -> tuple[int, int]:
+    record = ledger.begin_attempt(
+        RUN_ID,
+        AttemptStart(config_snapshot={}, config_sha256="c" * 64,
+                     data_manifest_sha256="f" * 64, container_digest="test"),
+    )  # fmt: skip
+    return record.attempt_no, record.fencing_token
+
+
+# -- codec ------------------------------------------------------------------------------------
+
+
+def test_codec_round_trips_tuples_int_keys_bytes_and_non_finite_floats() -> None:
+    state = {
+        "state": {0: {"step": torch.tensor(3.0), "buf": torch.arange(4.0)}, 1: {"m": None}},
+        "param_groups": [{"betas": (0.9, 0.999), "lr": 1e-3, "params": [0, 1]}],
+        "odd": [math.inf, -math.inf, b"\x00\xff", "text", True],
+    }
+    encoded, tensors = encode_state(state, "optimizer")
+    json.dumps(encoded)  # plain JSON, nothing else
+    assert set(tensors) == {"optimizer.state.0.step", "optimizer.state.0.buf"}
+    decoded = decode_state(json.loads(json.dumps(encoded)), tensors)
+    assert decoded["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert set(decoded["state"]) == {0, 1}
+    assert torch.equal(decoded["state"][0]["buf"], torch.arange(4.0))
+    assert decoded["odd"] == [math.inf, -math.inf, b"\x00\xff", "text", True]
+
+
+def test_codec_refuses_values_it_would_have_to_pickle() -> None:
+    with pytest.raises(StateEncodingError, match=r"lr_scheduler\.fn"):
+        encode_state({"fn": object()}, "lr_scheduler")
+
+
+# -- save and restore -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_restore_in_a_fresh_state_continues_bit_exact(tmp_path: Path, optimizer: str) -> None:
+    data = _data()
+    original = _state(data, optimizer=optimizer)
+    _steps(original, data, 9)  # crosses an epoch boundary (6 batches per epoch)
+    manager = _manager(tmp_path)
+    manager.save(original, metrics={"eval_loss": 1.0})
+    expected = _steps(original, data, 8)
+
+    # Different init seed: everything must come from the checkpoint, RNG included (dropout).
+    resumed = _state(data, seed=99, optimizer=optimizer)
+    info = _manager(tmp_path, attempt=2).resume(resumed)
+    assert info is not None and info.step == 9 and resumed.step == 9
+    assert _steps(resumed, data, 8) == expected
+    for key, value in original.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[key]), key
+
+
+def test_checkpoint_is_safetensors_and_json_and_evaluators_can_rebuild_the_model(
+    tmp_path: Path,
+) -> None:
+    data = _data()
+    state = _state(data)
+    _steps(state, data, 3)
+    path = _manager(tmp_path).save(state).path
+    refuse_pickle(path)
+    trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
+    assert trainer_state["step"] == 3 and trainer_state["config_sha256"] == "c" * 64
+    assert {"optimizer", "lr_scheduler", "rng", "data_cursor"} <= set(trainer_state)
+    # What the evaluation code does: config.model + model.safetensors → build_model.
+    model = build_model(trainer_state["config"]["model"])
+    model.load_state_dict(load_file(path / MODEL_FILE))
+    model.eval()
+    probe = load_file(path / PROBE_FILE)
+    with torch.no_grad():
+        assert torch.equal(model(probe["inputs"]), probe["logits"])
+    info = verify_checkpoint(path)
+    assert info.step == 3 and info.attempt_no == 1 and info.run_id == RUN_ID
+    assert {f.name for f in path.iterdir()} == {*info.files, MANIFEST_FILE, COMMITTED_FILE}
+
+
+def test_committed_is_written_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[str] = []
+    durable, atomic = checkpoint_writer.write_file_durably, checkpoint_writer.replace_atomically
+    monkeypatch.setattr(
+        checkpoint_writer, "write_file_durably", lambda p, d: (order.append(p.name), durable(p, d))
+    )
+    monkeypatch.setattr(
+        checkpoint_writer, "replace_atomically", lambda p, d: (order.append(p.name), atomic(p, d))
+    )
+    data = _data()
+    state = _state(data)
+    _steps(state, data, 1)
+    _manager(tmp_path).save(state)
+    assert order[-2:] == [MANIFEST_FILE, COMMITTED_FILE]
+    assert len(order) == 6
+
+
+def test_directory_without_committed_is_ignored_on_resume(tmp_path: Path) -> None:
+    data = _data()
+    state = _state(data)
+    manager = _manager(tmp_path)
+    first, second = _save_at(manager, state, data, [10, 20])
+    (second / COMMITTED_FILE).unlink()  # as if killed between MANIFEST.json and COMMITTED
+    assert checkpoint_dirs(manager.run_dir) == [first]
+    resumed = _state(data, seed=5)
+    info = _manager(tmp_path, attempt=2).resume(resumed)
+    assert info is not None and info.path == first and resumed.step == 10
+
+
+# -- verification -------------------------------------------------------------------------------
+
+
+def _flip_byte(path: Path) -> str:
+    target = path / MODEL_FILE
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    target.write_bytes(bytes(raw))
+    return MODEL_FILE
+
+
+def _truncate(path: Path) -> str:
+    target = path / "optimizer.safetensors"
+    target.write_bytes(target.read_bytes()[:-100])
+    return "optimizer.safetensors"
+
+
+def _drop_manifest(path: Path) -> str:
+    (path / MANIFEST_FILE).unlink()
+    return MANIFEST_FILE
+
+
+def _point_committed_elsewhere(path: Path) -> str:
+    committed = json.loads((path / COMMITTED_FILE).read_text())
+    committed["manifest_sha256"] = sha256_bytes(b"another manifest")
+    (path / COMMITTED_FILE).write_text(json.dumps(committed))
+    return MANIFEST_FILE
+
+
+def _extra_file(path: Path) -> str:
+    (path / "notes.txt").write_text("not in the manifest")
+    return "notes.txt"
+
+
+def _missing_file(path: Path) -> str:
+    (path / TRAINER_STATE_FILE).unlink()
+    return TRAINER_STATE_FILE
+
+
+CORRUPTIONS = {
+    "flipped_byte": _flip_byte,
+    "truncated_file": _truncate,
+    "missing_manifest": _drop_manifest,
+    "committed_points_at_another_manifest": _point_committed_elsewhere,
+    "unlisted_extra_file": _extra_file,
+    "missing_file": _missing_file,
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_verify_names_directory_file_and_difference(tmp_path: Path, corruption: str) -> None:
+    data = _data()
+    state = _state(data)
+    _steps(state, data, 2)
+    path = _manager(tmp_path).save(state).path
+    file = CORRUPTIONS[corruption](path)
+    with pytest.raises(CorruptCheckpointError) as caught:
+        verify_checkpoint(path)
+    assert caught.value.file == file
+    assert str(path) in str(caught.value) and file in str(caught.value)
+
+
+@pytest.mark.parametrize("kind", ["torch_save_pt", "pickle_magic_in_innocent_name"])
+def test_pickle_in_checkpoint_directory_is_refused(tmp_path: Path, kind: str) -> None:
+    data = _data()
+    state = _state(data)
+    manager = _manager(tmp_path)
+    previous, newest = _save_at(manager, state, data, [10, 20])
+    if kind == "torch_save_pt":
+        name = "extra_state.pt"
+        torch.save({"x": 1}, newest / name)
+    else:
+        import pickle
+
+        name = "notes.json"
+        (newest / name).write_bytes(pickle.dumps({"x": 1}, protocol=4))
+    with pytest.raises(UnsafeCheckpointError) as caught:
+        verify_checkpoint(newest)
+    assert caught.value.file == name and name in str(caught.value)
+    info = _manager(tmp_path, attempt=2).resume(_state(data, seed=3))
+    assert info is not None and info.path == previous
+
+
+def test_safetensors_header_length_that_looks_like_pickle_magic_is_not_refused(
+    tmp_path: Path,
+) -> None:
+    # The header length is the first 8 bytes: 640 = 80 02 00 …, pickle protocol 2's magic.
+    for pad in range(700):
+        raw = safetensors_bytes({"w": torch.zeros(3)}, metadata={"pad": "x" * pad})
+        if int.from_bytes(raw[:8], "little") == 0x0280:
+            break
+    assert raw[:2] == b"\x80\x02"
+    (tmp_path / MODEL_FILE).write_bytes(raw)
+    refuse_pickle(tmp_path)
+    (tmp_path / "state.json").write_bytes(b"\x80\x04\x95" + b"\x00" * 20)
+    with pytest.raises(UnsafeCheckpointError, match=r"state\.json"):
+        refuse_pickle(tmp_path)
+
+
+# -- resume with a ledger ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "corruption",
+    ["flipped_byte", "truncated_file", "missing_manifest", "committed_points_at_another_manifest"],
+)
+def test_corrupt_newest_is_marked_in_ledger_and_previous_is_used(
+    tmp_path: Path, corruption: str
+) -> None:
+    book = _ledger_run(tmp_path)
+    data = _data()
+    state = _state(data)
+    manager = _manager(tmp_path, ledger=book.ledger, attempt=book.attempt_no, token=book.token)
+    paths = _save_at(manager, state, data, [10, 20, 30])
+    file = CORRUPTIONS[corruption](paths[-1])
+
+    attempt_no, token = _begin(book.ledger)
+    resumed = _state(data, seed=8)
+    resumer = _manager(tmp_path, ledger=book.ledger, attempt=attempt_no, token=token)
+    info = resumer.resume(resumed)
+    assert info is not None and info.path == paths[1] and resumed.step == 20
+    record = book.ledger.get_checkpoint(str(paths[-1]))
+    assert record.state == CheckpointState.CORRUPT
+    assert file in (record.state_detail or "")
+    # Marked once, never a candidate again.
+    assert paths[-1] not in resumer.committed_dirs()
+
+
+def test_probe_mismatch_after_restore_is_corrupt_and_previous_is_used(tmp_path: Path) -> None:
+    book = _ledger_run(tmp_path)
+    data = _data()
+    state = _state(data)
+    manager = _manager(tmp_path, ledger=book.ledger, attempt=book.attempt_no, token=book.token)
+    previous, newest = _save_at(manager, state, data, [10, 20])
+    # Re-sign the checkpoint after changing the saved logits: bytes verify, the probe must not.
+    probe = load_file(newest / PROBE_FILE)
+    probe["logits"] = probe["logits"] + 1e-3
+    raw = safetensors_bytes(probe, metadata={"format": "pt", "device": "cpu"})
+    (newest / PROBE_FILE).write_bytes(raw)
+    manifest = json.loads((newest / MANIFEST_FILE).read_text())
+    for entry in manifest["files"]:
+        if entry["name"] == PROBE_FILE:
+            entry.update(size=len(raw), sha256=sha256_bytes(raw))
+    manifest_raw = json.dumps(manifest).encode()
+    (newest / MANIFEST_FILE).write_bytes(manifest_raw)
+    committed = json.loads((newest / COMMITTED_FILE).read_text())
+    committed["manifest_sha256"] = sha256_bytes(manifest_raw)
+    (newest / COMMITTED_FILE).write_text(json.dumps(committed))
+    verify_checkpoint(newest)
+
+    resumed = _state(data, seed=4)
+    info = _manager(tmp_path, ledger=book.ledger, attempt=2, token=book.token).resume(resumed)
+    assert info is not None and info.path == previous
+    record = book.ledger.get_checkpoint(str(newest))
+    assert record.state == CheckpointState.CORRUPT and "probe" in (record.state_detail or "")
+    # The failed candidate's weights did not leak into the state: it equals a clean restore.
+    clean = _state(data, seed=6)
+    _manager(tmp_path, ledger=book.ledger, attempt=2, token=book.token).resume(clean)
+    for key, value in clean.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[key])
+
+
+def test_checkpoint_of_another_config_is_refused(tmp_path: Path) -> None:
+    data = _data()
+    state = _state(data)
+    _save_at(_manager(tmp_path), state, data, [10])
+    other = _state(data)
+    other.config_sha256 = "d" * 64
+    with pytest.raises(CheckpointMismatchError, match="config_sha256"):
+        _manager(tmp_path, attempt=2).resume(other)
+
+
+def test_stale_fencing_token_commit_is_refused_and_leaves_no_committed(tmp_path: Path) -> None:
+    book = _ledger_run(tmp_path)
+    data = _data()
+    state = _state(data)
+    manager = _manager(tmp_path, ledger=book.ledger, attempt=book.attempt_no, token=book.token)
+    _save_at(manager, state, data, [10])
+    ledger = book.ledger
+    commit = ledger.commit_checkpoint
+
+    def newer_attempt_begins_first(**kwargs: object) -> object:
+        _begin(ledger)  # a second worker takes the run while we were writing files
+        return commit(**kwargs)  # type: ignore[arg-type]
+
+    ledger.commit_checkpoint = newer_attempt_begins_first  # type: ignore[method-assign]
+    _steps(state, data, 10)
+    with pytest.raises(StaleFencingTokenError):
+        manager.save(state)
+    stale_dir = manager.run_dir / "step-0000000020-a01"
+    assert (stale_dir / MANIFEST_FILE).is_file()
+    assert not (stale_dir / COMMITTED_FILE).exists()
+    assert ledger.get_checkpoint(str(stale_dir)).state == CheckpointState.WRITING
+    assert [p.name for p in checkpoint_dirs(manager.run_dir)] == ["step-0000000010-a01"]
+    # And the stale attempt cannot even start another checkpoint.
+    with pytest.raises(StaleFencingTokenError):
+        manager.save(state)
+
+
+# -- retention ----------------------------------------------------------------------------------
+
+
+def test_retention_keeps_last_k_best_k_referenced_and_newest(tmp_path: Path) -> None:
+    book = _ledger_run(tmp_path)
+    data = _data()
+    state = _state(data)
+    manager = _manager(
+        tmp_path, ledger=book.ledger, attempt=book.attempt_no, token=book.token,
+        keep_last_k=2, keep_best_k=1, best_metric="eval_loss", best_mode="min",
+    )  # fmt: skip
+    losses = {10: 0.9, 20: 0.1, 30: 0.8, 40: 0.7, 50: 0.6, 60: 0.5}
+    paths = {step: _save_at(manager, state, data, [step], losses)[0] for step in (10, 20, 30)}
+    book.ledger.record_evaluation(
+        EvaluationRecord(
+            evaluation_id="eval-1", run_id=RUN_ID, attempt_no=1, checkpoint_path=str(paths[30]),
+            checkpoint_manifest_sha256="e" * 64, evaluator_name="accuracy",
+            evaluator_version="1", evaluator_env_digest="env", task_set_version="t",
+            decoding_params={}, judge_model="n/a", rubric_version="n/a", status="complete",
+            started_at=datetime.now(UTC),
+        )
+    )  # fmt: skip
+    for step in (40, 50, 60):
+        paths[step] = _save_at(manager, state, data, [step], losses)[0]
+    kept = {p.name for p in checkpoint_dirs(manager.run_dir)}
+    assert kept == {paths[s].name for s in (20, 30, 50, 60)}
+    for step in (10, 40):
+        assert not paths[step].exists()
+        assert book.ledger.get_checkpoint(str(paths[step])).state == CheckpointState.SUPERSEDED
+    for step in (20, 30, 50, 60):
+        assert book.ledger.get_checkpoint(str(paths[step])).state == CheckpointState.COMMITTED
+
+
+def test_retention_never_deletes_the_newest_committed(tmp_path: Path) -> None:
+    data = _data()
+    state = _state(data)
+    manager = _manager(
+        tmp_path, keep_last_k=1, keep_best_k=1, best_metric="eval_loss", best_mode="min"
+    )
+    paths = _save_at(manager, state, data, [10, 20, 30], {10: 0.1, 20: 0.5, 30: 0.9})
+    assert [p.name for p in checkpoint_dirs(manager.run_dir)] == [paths[2].name, paths[0].name]
+    assert not paths[1].exists()

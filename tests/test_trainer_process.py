@@ -1,0 +1,390 @@
+"""``python -m pipeline.trainer`` as real processes: train, kill, resume, bit for bit.
+
+The uninterrupted reference run is computed once per session; every interrupted run is
+compared with it: the same loss at every step and identical bytes of the final
+model.safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pipeline.checkpoint import COMMITTED_FILE, MANIFEST_FILE, MODEL_FILE, verify_checkpoint
+from pipeline.ledger import AttemptStart, Ledger
+from pipeline.states import CheckpointState, TerminationReason
+from pipeline.trainer import TrainConfig, exit_codes
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_STEPS = 60
+CONFIG: dict[str, Any] = {
+    "seed": 0,
+    "max_steps": MAX_STEPS,
+    "checkpoint_every_steps": 10,
+    "batch_size": 32,
+    "learning_rate": 0.01,
+    "optimizer": "adam",
+    "lr_schedule": {"kind": "cosine"},
+    "model": {"channels": 8, "hidden": 32, "dropout": 0.1},  # dropout: the RNG must resume too
+    "keep_last_k": 3,
+    "keep_best_k": 1,
+    "log_every_steps": 1,
+}
+
+
+@dataclass
+class Finished:
+    returncode: int
+    events: list[dict[str, Any]]
+    stderr: str
+
+    def losses(self) -> dict[int, float]:
+        return {e["step"]: e["loss"] for e in self.events if e["event"] == "step"}
+
+    def committed(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == "checkpoint_committed"]
+
+
+class Trainer:
+    """One ``python -m pipeline.trainer`` process whose stdout goes to a file we can poll."""
+
+    def __init__(self, config: Path, store: Path, run_id: str, *args: str,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.log = store.parent / f"{run_id}-{time.monotonic_ns()}.log"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "pipeline.trainer",
+            "--config", str(config), "--run-id", run_id, "--store", str(store), *args,
+        ]  # fmt: skip
+        self._stdout = open(self.log, "w")  # noqa: SIM115 - closed in wait()
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            stdout=self._stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    def events(self) -> list[dict[str, Any]]:
+        return _parse_events(self.log.read_text())
+
+    def wait_until(self, condition: Callable[[], bool], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.process.poll() is not None:
+                raise AssertionError(f"trainer exited {self.process.returncode} first: "
+                                     f"{self.process.stderr.read()[-3000:]}")  # type: ignore[union-attr]  # fmt: skip
+            if time.monotonic() > deadline:
+                self.process.kill()
+                raise AssertionError("timed out waiting for the trainer")
+            time.sleep(0.02)
+
+    def wait_for_step(self, step: int) -> None:
+        self.wait_until(lambda: step in {e["step"] for e in self.events() if e["event"] == "step"})
+
+    def wait(self, timeout: float = 120.0) -> Finished:
+        _, stderr = self.process.communicate(timeout=timeout)
+        self._stdout.close()
+        return Finished(self.process.returncode, self.events(), stderr)
+
+
+def _parse_events(text: str) -> list[dict[str, Any]]:
+    events = []
+    for line in text.splitlines(keepends=True):
+        if not line.endswith("\n"):
+            break  # still being written
+        events.append(json.loads(line))
+    return events
+
+
+def run_trainer(config: Path, store: Path, run_id: str, *args: str,
+                env: dict[str, str] | None = None) -> Finished:  # fmt: skip
+    return Trainer(config, store, run_id, *args, env=env).wait()
+
+
+def final_dir(store: Path, run_id: str) -> Path:
+    (found,) = sorted((store / run_id).glob(f"step-{MAX_STEPS:010d}-a*"))
+    return found
+
+
+def write_config(directory: Path, snapshot_dir: Path, **overrides: Any) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "train.yaml"
+    path.write_text(yaml.safe_dump({**CONFIG, "snapshot_dir": str(snapshot_dir), **overrides}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def snapshot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pipeline.data.landing import write_digits_landing
+    from pipeline.data.snapshot import create_snapshot
+
+    root = tmp_path_factory.mktemp("digits")
+    write_digits_landing(root / "landing")
+    return create_snapshot(root / "landing", root / "snapshots").path
+
+
+@pytest.fixture(scope="session")
+def config_path(snapshot_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_config(tmp_path_factory.mktemp("config"), snapshot_dir)
+
+
+@dataclass
+class Reference:
+    store: Path
+    run_id: str
+    result: Finished
+
+    @property
+    def final_model(self) -> bytes:
+        return (final_dir(self.store, self.run_id) / MODEL_FILE).read_bytes()
+
+
+@pytest.fixture(scope="session")
+def reference(config_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """The uninterrupted run every interrupted one must equal, bit for bit."""
+    store = tmp_path_factory.mktemp("reference") / "store"
+    result = run_trainer(config_path, store, "ref")
+    assert result.returncode == 0, result.stderr
+    return Reference(store, "ref", result)
+
+
+def assert_bit_exact(reference: Reference, store: Path, run_id: str, *runs: Finished) -> None:
+    expected = reference.result.losses()
+    seen: dict[int, float] = {}
+    for run in runs:
+        for step, loss in run.losses().items():
+            assert loss == expected[step], f"step {step}: {loss} != {expected[step]}"
+            seen[step] = loss
+    assert sorted(seen) == list(range(1, MAX_STEPS + 1)), "some steps were never trained"
+    assert (final_dir(store, run_id) / MODEL_FILE).read_bytes() == reference.final_model
+
+
+def last_words(store: Path, run_id: str, attempt_no: int) -> dict[str, Any]:
+    return json.loads((store / run_id / f"attempt-{attempt_no}.last_words.json").read_text())
+
+
+# -- the happy path -------------------------------------------------------------------------------
+
+
+def test_trains_on_digits_snapshot_loss_falls_and_final_checkpoint_verifies(
+    reference: Reference,
+) -> None:
+    losses = reference.result.losses()
+    assert sorted(losses) == list(range(1, MAX_STEPS + 1))
+    first = [losses[s] for s in range(1, 6)]
+    last = [losses[s] for s in range(MAX_STEPS - 4, MAX_STEPS + 1)]
+    assert sum(last) / 5 < 0.5 * sum(first) / 5, (first, last)
+    final = final_dir(reference.store, reference.run_id)
+    assert (final / COMMITTED_FILE).is_file()
+    info = verify_checkpoint(final)
+    assert info.step == MAX_STEPS and info.attempt_no == 1
+    committed = reference.result.committed()
+    assert [c["step"] for c in committed] == [10, 20, 30, 40, 50, 60]
+    assert committed[-1]["manifest_sha256"] == info.manifest_sha256
+    assert committed[-1]["metrics"]["eval_accuracy"] > 0.5
+    finished = reference.result.events[-1]
+    assert finished["event"] == "attempt_finished" and finished["reason"] == "succeeded"
+    # Retention kept the last 3 (the best by eval_loss is among them: loss falls).
+    kept = sorted(p.name for p in (reference.store / "ref").iterdir())
+    assert kept == [f"step-{s:010d}-a01" for s in (40, 50, 60)]
+
+
+def test_final_checkpoint_already_committed_exits_zero_at_once(
+    reference: Reference, config_path: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    shutil.copytree(reference.store / "ref", store / "ref")
+    result = run_trainer(config_path, store, "ref")
+    assert result.returncode == exit_codes.SUCCEEDED, result.stderr
+    assert result.losses() == {} and result.committed() == []
+    assert "already committed" in result.events[-1]["detail"]
+
+
+# -- kills and resumes ----------------------------------------------------------------------------
+
+
+def test_resume_after_sigkill_mid_run_is_bit_exact(
+    reference: Reference, config_path: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    first = Trainer(config_path, store, "kill", env={"TRACKS_FAULT_SLEEP_AFTER_STEP": "60@25"})
+    first.wait_for_step(25)
+    first.process.send_signal(signal.SIGKILL)
+    killed = first.wait()
+    assert killed.returncode == -signal.SIGKILL
+    assert max(killed.losses()) == 25
+
+    resumed = run_trainer(config_path, store, "kill")
+    assert resumed.returncode == 0, resumed.stderr
+    started = next(e for e in resumed.events if e["event"] == "attempt_started")
+    assert started["step"] == 20 and started["resumed_from"].endswith("step-0000000020-a01")
+    assert min(resumed.losses()) == 21
+    assert_bit_exact(reference, store, "kill", killed, resumed)
+
+
+def test_resume_after_sigkill_during_checkpoint_write_ignores_uncommitted_dir_and_is_bit_exact(
+    reference: Reference, config_path: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    half_written = store / "write" / "step-0000000020-a01"
+    first = Trainer(config_path, store, "write", env={"TRACKS_FAULT_SLEEP_BEFORE_COMMIT": "60@20"})
+    first.wait_until(lambda: (half_written / MANIFEST_FILE).is_file())
+    first.process.send_signal(signal.SIGKILL)
+    killed = first.wait()
+    assert killed.returncode == -signal.SIGKILL
+    assert not (half_written / COMMITTED_FILE).exists()
+
+    resumed = run_trainer(config_path, store, "write")
+    assert resumed.returncode == 0, resumed.stderr
+    started = next(e for e in resumed.events if e["event"] == "attempt_started")
+    assert started["resumed_from"].endswith("step-0000000010-a01")
+    assert min(resumed.losses()) == 11
+    assert_bit_exact(reference, store, "write", killed, resumed)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_stop_signal_commits_checkpoint_at_its_step_and_resume_loses_no_steps(
+    reference: Reference, config_path: Path, tmp_path: Path, signum: signal.Signals
+) -> None:
+    store = tmp_path / "store"
+    first = Trainer(config_path, store, "stop", env={"TRACKS_FAULT_SLEEP_AFTER_STEP": "60@25"})
+    first.wait_for_step(25)
+    first.process.send_signal(signum)
+    stopped = first.wait()
+    assert stopped.returncode == exit_codes.PREEMPTED, stopped.stderr
+    assert stopped.committed()[-1]["step"] == 25
+    assert verify_checkpoint(store / "stop" / "step-0000000025-a01").step == 25
+    words = last_words(store, "stop", 1)
+    assert words["reason"] == TerminationReason.PREEMPTED
+    assert words["signal"] == signum.name and words["step"] == 25
+    if signum == signal.SIGINT:
+        return  # handled alike; one bit-exact resume is enough
+
+    resumed = run_trainer(config_path, store, "stop")
+    assert resumed.returncode == 0, resumed.stderr
+    assert min(resumed.losses()) == 26
+    assert_bit_exact(reference, store, "stop", stopped, resumed)
+
+
+# -- ledger: corruption and fencing ---------------------------------------------------------------
+
+
+def test_corrupt_newest_checkpoint_is_marked_in_ledger_and_resume_uses_previous(
+    reference: Reference, config_path: Path, tmp_path: Path
+) -> None:
+    store, url = tmp_path / "store", f"sqlite:///{tmp_path / 'ledger.db'}"
+    first = run_trainer(config_path, store, "corrupt", "--ledger-url", url)
+    assert first.returncode == 0, first.stderr
+    newest = final_dir(store, "corrupt")
+    model = newest / MODEL_FILE
+    os.chmod(model, 0o644)
+    raw = bytearray(model.read_bytes())
+    raw[-7] ^= 0x10
+    model.write_bytes(bytes(raw))
+
+    second = run_trainer(config_path, store, "corrupt", "--ledger-url", url)
+    assert second.returncode == 0, second.stderr
+    ledger = Ledger(url)
+    record = ledger.get_checkpoint(str(newest))
+    assert record.state == CheckpointState.CORRUPT
+    assert MODEL_FILE in (record.state_detail or "") and "sha256" in (record.state_detail or "")
+    one, two = ledger.attempts("corrupt")
+    assert one.termination_reason == two.termination_reason == TerminationReason.SUCCEEDED
+    assert two.resumed_from_checkpoint == str(store.resolve() / "corrupt" / "step-0000000050-a01")
+    assert two.config_sha256 == TrainConfig.load(config_path).sha256()
+    assert ledger.get_run("corrupt").owner
+    assert min(second.losses()) == 51
+    rebuilt = store / "corrupt" / f"step-{MAX_STEPS:010d}-a02" / MODEL_FILE
+    assert rebuilt.read_bytes() == reference.final_model
+    latest = ledger.latest_committed_checkpoint("corrupt")
+    assert latest is not None and latest.path == str(rebuilt.parent)
+    assert latest.parent_path == str(store.resolve() / "corrupt" / "step-0000000050-a01")
+
+
+def test_stale_fencing_token_refuses_commit_and_leaves_no_committed(
+    config_path: Path, tmp_path: Path
+) -> None:
+    store, url = tmp_path / "store", f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger.open(url)
+    config = TrainConfig.load(config_path)
+    ledger.create_run(
+        run_id="fenced", model_family="digits-cnn", owner="test", purpose="baseline",
+        config_sha256=config.sha256(), snapshot_id="digits",
+    )  # fmt: skip
+    start = AttemptStart(
+        config_snapshot=config.to_dict(), config_sha256=config.sha256(),
+        data_manifest_sha256="unknown", container_digest="test",
+    )  # fmt: skip
+    first = ledger.begin_attempt("fenced", start)
+    writing = store / "fenced" / "step-0000000010-a01"
+    trainer = Trainer(
+        config_path, store, "fenced", "--ledger-url", url,
+        "--attempt-no", str(first.attempt_no), "--fencing-token", str(first.fencing_token),
+        env={"TRACKS_FAULT_SLEEP_BEFORE_COMMIT": "1.5@10"},
+    )  # fmt: skip
+    trainer.wait_until(lambda: (writing / MANIFEST_FILE).is_file())
+    second = ledger.begin_attempt("fenced", start)  # a second worker takes over the run
+    assert second.fencing_token > first.fencing_token
+    result = trainer.wait()
+    assert result.returncode == exit_codes.FENCED, result.stderr
+    assert not (writing / COMMITTED_FILE).exists()
+    assert result.committed() == []
+    words = last_words(store, "fenced", first.attempt_no)
+    assert words["exception_type"] == "StaleFencingTokenError"
+    assert words["reason"] == TerminationReason.CANCELLED
+    assert ledger.get_checkpoint(str(writing)).state == CheckpointState.WRITING
+    # The orchestrator owns begin/end in this mode: the trainer left the attempt open.
+    assert ledger.get_attempt("fenced", first.attempt_no).ended_at is None
+
+
+# -- classified failures --------------------------------------------------------------------------
+
+
+def test_nan_loss_exits_diverged_with_last_words(snapshot_dir: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "cfg", snapshot_dir, learning_rate=1e30)
+    result = run_trainer(config, tmp_path / "store", "nan")
+    assert result.returncode == exit_codes.DIVERGED, result.stderr
+    words = last_words(tmp_path / "store", "nan", 1)
+    assert words["reason"] == TerminationReason.DIVERGED and "nan" in words["detail"]
+    assert words["step"] == max(result.losses()) + 1
+
+
+def test_snapshot_bytes_differing_from_manifest_exit_bad_input(
+    snapshot_dir: Path, tmp_path: Path
+) -> None:
+    spoiled = tmp_path / snapshot_dir.name
+    shutil.copytree(snapshot_dir, spoiled)
+    (data_file,) = (spoiled / "data").glob("*.parquet")
+    os.chmod(data_file, 0o644)
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+    result = run_trainer(write_config(tmp_path / "cfg", spoiled), tmp_path / "store", "bad")
+    assert result.returncode == exit_codes.BAD_INPUT, result.stderr
+    words = last_words(tmp_path / "store", "bad", 1)
+    assert words["reason"] == TerminationReason.BAD_INPUT
+    assert words["exception_type"] == "SnapshotIntegrityError"
+    assert data_file.name in words["detail"]
+
+
+def test_config_with_unknown_key_exits_config_error(snapshot_dir: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "cfg", snapshot_dir, learning_rat=0.1)
+    result = run_trainer(config, tmp_path / "store", "cfg")
+    assert result.returncode == exit_codes.CONFIG_ERROR, result.stderr
+    words = last_words(tmp_path / "store", "cfg", 1)
+    assert words["exception_type"] == "ConfigError"
+    assert str(config) in words["detail"] and "learning_rat" in words["detail"]
