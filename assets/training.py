@@ -75,16 +75,24 @@ def training_attempt(
     import yaml
 
     from pipeline.data.snapshot import open_snapshot
-    from pipeline.digests import sha256_json
     from pipeline.environment import code_commit, container_digest, placement
     from pipeline.ledger import AttemptStart
     from pipeline.reasons import classify_exit, read_last_words
     from pipeline.states import RunStatus, TerminationReason
+    from pipeline.trainer.config import ConfigError, TrainConfig
 
     book = ledger.ledger()
     snapshot = open_snapshot(storage.snapshots() / context.partition_key)
-    resolved = config.train_config(snapshot.path)
-    config_sha = sha256_json(resolved)
+    try:
+        train_config = TrainConfig.from_dict(
+            config.train_config(snapshot.path), source="run config of training_attempt"
+        )
+    except ConfigError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+    # The trainer's own resolution (defaults filled in) is the config snapshot: the attempt row
+    # and every checkpoint carry the same digest.
+    resolved = train_config.to_dict()
+    config_sha = train_config.sha256()
 
     if config.run_id:
         run = book.get_run(config.run_id)
