@@ -150,32 +150,94 @@ def demo(fresh_data: bool) -> None:
 
 @main.command("explain")
 @click.argument("target")
-def explain_cmd(target: str) -> None:
-    """The one-page story of a run (RUN_ID) or an attempt (RUN_ID#N)."""
+@click.option(
+    "--output", type=click.Path(dir_okay=False, path_type=Path), help="Also write the page here."
+)
+def explain_cmd(target: str, output: Path | None) -> None:
+    """The one-page story of a run (RUN_ID) or an attempt (RUN_ID#N), as Markdown."""
     from pipeline.explain import explain
     from pipeline.ledger import LedgerError
 
     try:
-        click.echo(explain(_ledger(_settings()), target))
+        page = explain(_ledger(_settings()), target)
     except LedgerError as exc:
         raise click.ClickException(str(exc)) from exc
+    if output is not None:
+        output.write_text(page)
+    click.echo(page, nl=False)
+
+
+def _reason_choices() -> list[str]:
+    from pipeline.states import TerminationReason
+
+    return [str(r) for r in TerminationReason]
 
 
 @main.command("attempts")
 @click.option("--family", help="Model family.")
-@click.option("--reason", help="Termination reason.")
+@click.option("--reason", type=click.Choice(_reason_choices()), help="Termination reason.")
+@click.option("--status", type=click.Choice(["running", "succeeded", "failed"]))
+@click.option("--since", "since_days", type=float, help="Started within the last DAYS days.")
+@click.option("--run", "run_id", help="Only this run's attempts.")
 @click.option("--limit", default=20, show_default=True)
-def attempts_cmd(family: str | None, reason: str | None, limit: int) -> None:
-    """List attempts, newest first."""
+def attempts_cmd(
+    family: str | None,
+    reason: str | None,
+    status: str | None,
+    since_days: float | None,
+    run_id: str | None,
+    limit: int,
+) -> None:
+    """List attempts, newest first, with their reason, decision and cost."""
+    from datetime import UTC, datetime, timedelta
+
+    since = datetime.now(UTC) - timedelta(days=since_days) if since_days is not None else None
     rows = _ledger(_settings()).list_attempts(
-        model_family=family, termination_reason=reason, limit=limit
+        model_family=family,
+        termination_reason=reason,
+        status=status,
+        since=since,
+        run_id=run_id,
+        limit=limit,
     )
-    click.echo(f"{'attempt':<60} {'started':<20} {'reason':<16} detail")
+    if not rows:
+        click.echo("No attempts match.")
+        return
+    width = max(len("attempt"), *(len(a.key) for a in rows))
+    click.echo(
+        f"{'attempt':<{width}}  {'started (UTC)':<19}  {'reason':<16}  {'GPU-h':>7}  "
+        f"{'decision':<34}  detail"
+    )
     for a in rows:
+        decision = a.retry_decision or {}
+        decided = f"{decision['action']} ({decision.get('rule')})" if decision else "—"
         click.echo(
-            f"{a.key:<60} {a.started_at:%Y-%m-%d %H:%M:%S} {a.termination_reason or a.status:<16} "
-            f"{a.termination_detail or ''}"
+            f"{a.key:<{width}}  {a.started_at:%Y-%m-%d %H:%M:%S}  "
+            f"{a.termination_reason or a.status:<16}  {a.gpu_seconds / 3600:>7.2f}  "
+            f"{decided:<34}  {a.termination_detail or ''}"
         )
+
+
+@main.command("cost")
+@click.option("--family", required=True, help="Model family.")
+@click.option("--days", default=7.0, show_default=True, type=float, help="Started within DAYS.")
+def cost_cmd(family: str, days: float) -> None:
+    """Attempts and GPU-hours per termination reason: where did the GPU time go?"""
+    rows = _ledger(_settings()).cost_by_reason(family, days)
+    window = f"started in the last {days:g} day(s)"
+    if not rows:
+        click.echo(f"No {family} attempts {window}.")
+        return
+    click.echo(f"{family} attempts {window}, by termination reason:")
+    click.echo(f"{'termination_reason':<18}  {'attempts':>9}  {'gpu_hours':>12}")
+    for row in rows:
+        click.echo(
+            f"{row.termination_reason or '(running)':<18}  {row.attempts:>9,}  "
+            f"{row.gpu_hours:>12,.2f}"
+        )
+    total_attempts = sum(r.attempts for r in rows)
+    total_hours = sum(r.gpu_hours for r in rows)
+    click.echo(f"{'total':<18}  {total_attempts:>9,}  {total_hours:>12,.2f}")
 
 
 @main.command("ledger-upgrade")

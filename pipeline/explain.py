@@ -1,11 +1,36 @@
-"""``tracks explain``: the whole story of a run or attempt on one page of Markdown."""
+"""``tracks explain``: the whole story of a run or attempt on one page of Markdown.
+
+The same page is attached to the attempt's materialization in the Dagster UI. Sections, in
+order: a summary, what was tried, the data snapshot, where it ran, the checkpoint lineage, the
+attempts and retries (reason, decision, rule, budget left), evaluation and promotion. Naming an
+attempt (``RUN#N``) highlights it and adds its full receipt.
+"""
 
 from __future__ import annotations
 
 import json
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from itertools import pairwise
 from typing import Any
 
-from pipeline.ledger import AttemptRecord, Ledger, RunRecord, UnknownRunError
+from pipeline.ledger import (
+    AttemptRecord,
+    CheckpointRecord,
+    EvaluationRecord,
+    Ledger,
+    PromotionRecord,
+    RunRecord,
+    UnknownRunError,
+)
+from pipeline.retry import config_changes
+
+_STATE_WORDS = {
+    "committed": "committed",
+    "superseded": "superseded",
+    "corrupt": "corrupt (failed verification; never resumed from)",
+    "writing": "never finished writing (no COMMITTED marker; ignored by readers)",
+}
 
 
 def _parse_target(target: str) -> tuple[str, int | None]:
@@ -17,20 +42,6 @@ def _parse_target(target: str) -> tuple[str, int | None]:
     return target, None
 
 
-def _config_changes(
-    previous: dict[str, Any], current: dict[str, Any], prefix: str = ""
-) -> list[str]:
-    changes = []
-    for key in sorted(set(previous) | set(current)):
-        before, after = previous.get(key), current.get(key)
-        name = f"{prefix}{key}"
-        if isinstance(before, dict) and isinstance(after, dict):
-            changes.extend(_config_changes(before, after, prefix=f"{name}."))
-        elif before != after:
-            changes.append(f"`{name}`: {before!r} → {after!r}")
-    return changes
-
-
 def _when(value: Any) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S UTC") if value is not None else "—"
 
@@ -39,117 +50,371 @@ def _or_dash(value: Any) -> str:
     return "—" if value is None or value == "" else str(value)
 
 
-def _attempt_section(attempt: AttemptRecord, previous: AttemptRecord | None) -> list[str]:
-    p = attempt.placement or {}
-    lines = [
-        f"### Attempt {attempt.attempt_no} — {attempt.termination_reason or attempt.status}",
-        "",
-        f"- **Started** {_when(attempt.started_at)}, **ended** {_when(attempt.ended_at)}, "
-        f"last heartbeat {_when(attempt.heartbeat_at)}",
-        f"- **Termination**: {attempt.termination_reason or 'still running'} — "
-        f"{attempt.termination_detail or 'no detail recorded'}",
-        f"- **Exit**: code {_or_dash(attempt.exit_code)}, signal {_or_dash(attempt.signal)}; "
-        f"last step {_or_dash(attempt.last_step)}",
-        f"- **Resumed from**: {attempt.resumed_from_checkpoint or 'nothing (fresh start)'}",
-        f"- **Config** sha256 `{attempt.config_sha256[:16]}`; "
-        f"data manifest `{attempt.data_manifest_sha256[:16]}`",
+def _cell(value: Any) -> str:
+    """Text safe inside a Markdown table cell."""
+    return " ".join(_or_dash(value).split()).replace("|", "\\|")
+
+
+def _short(path: str | None) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1] if path else "—"
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f}"
+
+
+def _duration(attempt: AttemptRecord) -> str:
+    if attempt.ended_at is None:
+        return "still running"
+    seconds = (attempt.ended_at - attempt.started_at).total_seconds()
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _budget_words(left: Mapping[str, Any] | None) -> str:
+    if not left or left.get("count") is None:
+        return "—"
+    gpu = left.get("gpu_seconds")
+    gpu_text = "no GPU-seconds limit" if gpu is None else f"{float(gpu):.0f} GPU-s"
+    return f"{left['count']} attempt(s), {gpu_text}"
+
+
+def _decision_words(decision: Mapping[str, Any] | None) -> tuple[str, str, str]:
+    """(action, rule, budget left) for the attempts table."""
+    if not decision:
+        return "not decided", "—", "—"
+    return (
+        str(decision.get("action", "—")),
+        f"`{decision.get('rule', '—')}`",
+        _budget_words(decision.get("budget_left")),
+    )
+
+
+def _mark(attempt: AttemptRecord, focus: int | None) -> str:
+    return f"**▶ {attempt.attempt_no}**" if attempt.attempt_no == focus else str(attempt.attempt_no)
+
+
+def _summary(
+    run: RunRecord, attempts: Sequence[AttemptRecord], focus: AttemptRecord | None
+) -> list[str]:
+    total_gpu = sum(a.gpu_seconds for a in attempts)
+    out = [
+        f"A **{run.model_family}** run for **{run.owner}** ({run.purpose}), created "
+        f"{_when(run.created_at)}. Status **{run.status}** after {len(attempts)} attempt(s) "
+        f"and {_hours(total_gpu)} GPU-hours.",
     ]
-    if previous is not None:
-        changes = _config_changes(previous.config_snapshot, attempt.config_snapshot)
-        lines.append(
-            f"- **Changed from attempt {previous.attempt_no}**: "
-            + ("; ".join(changes) if changes else "nothing")
+    if attempts:
+        last = attempts[-1]
+        decided = last.retry_decision or {}
+        ended = (
+            f"ended **{last.termination_reason}**"
+            if last.termination_reason
+            else "is **still running**"
         )
-    lines += [
-        f"- **Where**: host {_or_dash(p.get('host'))}, pod {_or_dash(p.get('pod'))}, "
-        f"node {_or_dash(p.get('node'))}, {p.get('accelerator_count', 0)} x "
-        f"{_or_dash(p.get('accelerator_type'))}, torch {_or_dash(p.get('torch_version'))}, "
-        f"CUDA {p.get('cuda_version') or 'none'}, world size {p.get('world_size', 1)}",
-        f"- **Cost**: {attempt.gpu_seconds:.0f} GPU-seconds, "
-        f"{attempt.cpu_seconds:.0f} CPU-seconds; container `{attempt.container_digest[:40]}`; "
-        f"code {attempt.code_commit or 'unknown'}",
+        then = (
+            f" and the retry policy decided **{decided['action']}** (rule `{decided['rule']}`)"
+            if decided
+            else ""
+        )
+        out.append(f"The latest attempt, {last.attempt_no}, {ended}{then}.")
+    if focus is not None:
+        out.append(
+            f"This page highlights **attempt {focus.attempt_no}** (▶), which ended "
+            f"**{focus.termination_reason or 'not yet'}**: "
+            f"{focus.termination_detail or 'no detail recorded'}"
+        )
+    return [" ".join(out), ""]
+
+
+def _what_was_tried(
+    run: RunRecord, attempts: Sequence[AttemptRecord], focus: AttemptRecord | None
+) -> list[str]:
+    out = ["## What was tried", ""]
+    if not attempts:
+        return [*out, f"No attempt has started yet; run config sha256 `{run.config_sha256}`.", ""]
+    shown = focus or attempts[-1]
+    out += [
+        f"The config of attempt {shown.attempt_no} (sha256 `{shown.config_sha256}`; "
+        f"run config `{run.config_sha256}`, code {run.code_commit or 'unknown'}):",
+        "",
+        "```json",
+        json.dumps(shown.config_snapshot, indent=2, sort_keys=True),
+        "```",
+        "",
+        "What changed from the previous attempt:",
+        "",
+    ]
+    out.append(f"- attempt {attempts[0].attempt_no}: the first attempt")
+    for previous, current in pairwise(attempts):
+        changes = config_changes(previous.config_snapshot or {}, current.config_snapshot or {})
+        if current.code_commit != previous.code_commit:
+            changes.append(f"code: {previous.code_commit!r} → {current.code_commit!r}")
+        if current.container_digest != previous.container_digest:
+            changes.append(
+                f"container: {previous.container_digest[:24]} → {current.container_digest[:24]}"
+            )
+        said = "; ".join(f"`{c}`" for c in changes) if changes else "nothing (same config)"
+        out.append(f"- attempt {current.attempt_no}: {said}")
+    return [*out, ""]
+
+
+def _data(run: RunRecord, attempts: Sequence[AttemptRecord]) -> list[str]:
+    out = ["## Data snapshot", "", f"Snapshot `{run.snapshot_id}`."]
+    manifests: dict[str, list[int]] = defaultdict(list)
+    for a in attempts:
+        manifests[a.data_manifest_sha256].append(a.attempt_no)
+    if len(manifests) == 1:
+        ((sha, _numbers),) = manifests.items()
+        out[-1] += f" Every attempt read manifest sha256 `{sha}`."
+    elif manifests:
+        out[-1] += " **The attempts did not all read the same bytes:**"
+        out.append("")
+        for sha, numbers in manifests.items():
+            out.append(f"- manifest sha256 `{sha}`: attempt(s) {', '.join(map(str, numbers))}")
+    return [*out, ""]
+
+
+def _placement(attempts: Sequence[AttemptRecord], focus: int | None) -> list[str]:
+    out = ["## Where it ran", ""]
+    if not attempts:
+        return [*out, "Nowhere yet.", ""]
+    out += [
+        "| attempt | host | pod | node | accelerators | torch | CUDA | world size | container |",
+        "|---:|---|---|---|---|---|---|---:|---|",
+    ]
+    for a in attempts:
+        p = a.placement or {}
+        accelerators = f"{p.get('accelerator_count', 0)} x {_or_dash(p.get('accelerator_type'))}"
+        out.append(
+            f"| {_mark(a, focus)} | {_cell(p.get('host'))} | {_cell(p.get('pod'))} | "
+            f"{_cell(p.get('node'))} | {_cell(accelerators)} | {_cell(p.get('torch_version'))} | "
+            f"{_cell(p.get('cuda_version') or 'none')} | {p.get('world_size', 1)} | "
+            f"`{_cell(a.container_digest[:32])}` |"
+        )
+    return [*out, ""]
+
+
+def _lineage(
+    attempts: Sequence[AttemptRecord], checkpoints: Sequence[CheckpointRecord], focus: int | None
+) -> list[str]:
+    out = ["## Checkpoint lineage", ""]
+    by_path = {c.path: c for c in checkpoints}
+    for a in attempts:
+        made = [c for c in checkpoints if c.attempt_no == a.attempt_no]
+        committed = [c for c in made if c.state != "writing" and c.committed_at is not None]
+        if a.resumed_from_checkpoint:
+            source = by_path.get(a.resumed_from_checkpoint)
+            origin = (
+                f" (step {source.step}, written by attempt {source.attempt_no}, now {source.state})"
+                if source
+                else " (not in the ledger)"
+            )
+            start = f"resumed from `{_short(a.resumed_from_checkpoint)}`{origin}"
+        else:
+            start = "started fresh"
+        wrote = (
+            "committed steps " + ", ".join(str(c.step) for c in committed)
+            if committed
+            else "committed no checkpoint"
+        )
+        lead = (
+            f"**Attempt {a.attempt_no}** ▶" if a.attempt_no == focus else f"Attempt {a.attempt_no}"
+        )
+        out.append(f"- {lead} {start}; {wrote}.")
+    if attempts:
+        out.append("")
+    if not checkpoints:
+        return [*out, "No checkpoint was ever started.", ""]
+    out += [
+        "| step | attempt | state | why | parent | manifest sha256 | metrics |",
+        "|---:|---:|---|---|---|---|---|",
+    ]
+    for c in checkpoints:
+        metrics = ", ".join(
+            f"{k}={v:.4g}"
+            for k, v in sorted((c.metrics or {}).items())
+            if isinstance(v, int | float)
+        )
+        out.append(
+            f"| {c.step} | {c.attempt_no} | {_cell(_STATE_WORDS.get(c.state, c.state))} | "
+            f"{_cell(c.state_detail)} | {_cell(_short(c.parent_path))} | "
+            f"`{(c.manifest_sha256 or '—')[:16]}` | {_cell(metrics)} |"
+        )
+    return [*out, ""]
+
+
+def _attempts(attempts: Sequence[AttemptRecord], focus: int | None) -> list[str]:
+    out = ["## Attempts and retries", ""]
+    if not attempts:
+        return [*out, "No attempts.", ""]
+    out += [
+        "| # | started | ran | reason | GPU-h | decision | rule | budget left |",
+        "|---:|---|---|---|---:|---|---|---|",
+    ]
+    for a in attempts:
+        action, rule, left = _decision_words(a.retry_decision)
+        out.append(
+            f"| {_mark(a, focus)} | {_when(a.started_at)} | {_duration(a)} | "
+            f"{a.termination_reason or 'still running'} | {_hours(a.gpu_seconds)} | "
+            f"{action} | {rule} | {_cell(left)} |"
+        )
+    out.append("")
+    for a in attempts:
+        lead = (
+            f"**▶ Attempt {a.attempt_no}**" if a.attempt_no == focus else f"Attempt {a.attempt_no}"
+        )
+        reason = a.termination_reason or "still running"
+        exit_words = (
+            f"exit code {_or_dash(a.exit_code)}, signal {_or_dash(a.signal)}, "
+            f"last step {_or_dash(a.last_step)}"
+        )
+        detail = a.termination_detail or "no detail recorded"
+        line = f"- {lead} — **{reason}** ({exit_words}): {detail}"
+        decision = a.retry_decision
+        if decision:
+            line += f" → **{decision['action']}**: {decision.get('reason', '')}"
+            backoff = decision.get("backoff_seconds") or 0
+            if backoff:
+                line += f" (after a {float(backoff):.0f}s backoff)"
+            previous = decision.get("previous")
+            if previous:
+                line += (
+                    f" This replaced an earlier decision, **{previous.get('action')}** "
+                    f"(`{previous.get('rule')}`): {previous.get('reason', '')}"
+                )
+        elif a.termination_reason:
+            line += " → no retry decision recorded."
+        out.append(line)
+    spend: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for a in attempts:
+        if a.termination_reason:
+            spend[a.termination_reason][0] += 1
+            spend[a.termination_reason][1] += a.gpu_seconds
+    if spend:
+        out += [
+            "",
+            "Spent per reason: "
+            + "; ".join(
+                f"{reason} {int(n)} attempt(s), {_hours(gpu)} GPU-h"
+                for reason, (n, gpu) in sorted(spend.items(), key=lambda kv: -kv[1][1])
+            )
+            + ".",
+        ]
+    return [*out, ""]
+
+
+def _focus_receipt(a: AttemptRecord) -> list[str]:
+    decision = a.retry_decision or {}
+    return [
+        f"## Attempt {a.attempt_no} in detail",
+        "",
+        f"- **Started** {_when(a.started_at)}, **ended** {_when(a.ended_at)}, "
+        f"last heartbeat {_when(a.heartbeat_at)}; Dagster run "
+        f"{a.dagster_run_id or '— (run outside Dagster)'}",
+        f"- **Termination**: {a.termination_reason or 'still running'} — "
+        f"{a.termination_detail or 'no detail recorded'}",
+        f"- **Exit**: code {_or_dash(a.exit_code)}, signal {_or_dash(a.signal)}; "
+        f"last step {_or_dash(a.last_step)}; fencing token {a.fencing_token}",
+        f"- **Resumed from**: {a.resumed_from_checkpoint or 'nothing (fresh start)'}",
+        f"- **Config** sha256 `{a.config_sha256}`; data manifest `{a.data_manifest_sha256}`; "
+        f"container `{a.container_digest}`; code {a.code_commit or 'unknown'}",
+        f"- **Cost**: {a.gpu_seconds:.0f} GPU-seconds, {a.cpu_seconds:.0f} CPU-seconds",
         "- **Retry decision**: "
         + (
-            json.dumps(attempt.retry_decision, sort_keys=True)
-            if attempt.retry_decision
+            f"{decision.get('action')} by rule `{decision.get('rule')}`; budget left "
+            f"{_budget_words(decision.get('budget_left'))}; spent "
+            f"{json.dumps(decision.get('spent'), sort_keys=True)}; resume from "
+            f"{decision.get('resume_from') or '—'}"
+            if decision
             else "none recorded"
         ),
-        f"- **Dagster run**: {attempt.dagster_run_id or '— (run outside Dagster)'}",
+        "",
     ]
-    return lines
+
+
+def _evaluations(evaluations: Sequence[EvaluationRecord], attempts_ok: bool) -> list[str]:
+    out = ["## Evaluation", ""]
+    if not evaluations:
+        why = (
+            "no evaluation has been recorded yet"
+            if attempts_ok
+            else "no attempt succeeded, so there is no final checkpoint to evaluate"
+        )
+        return [*out, f"Not evaluated: {why}.", ""]
+    complete = [e for e in evaluations if e.status == "complete"]
+    failed = [e for e in evaluations if e.status != "complete"]
+    out.append(
+        f"{len(complete)} complete and {len(failed)} failed evaluation(s). "
+        + (
+            "Crashed evaluators are retried on their own; the training is never re-run for them."
+            if failed
+            else ""
+        )
+    )
+    out += [
+        "",
+        "| evaluator | status | checkpoint | metrics | missing provenance | id |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in evaluations:
+        metrics = ", ".join(
+            f"{k}={v:.4f}"
+            for k, v in sorted((e.metrics or {}).items())
+            if isinstance(v, int | float)
+        )
+        status = e.status + (
+            f" ({e.termination_reason}: {e.detail})" if e.termination_reason else ""
+        )
+        missing = ", ".join(e.missing_provenance()) if e.status == "complete" else "—"
+        out.append(
+            f"| {_cell(e.evaluator_name)} {_cell(e.evaluator_version[:20])} | {_cell(status)} | "
+            f"`{_short(e.checkpoint_path)}` (`{e.checkpoint_manifest_sha256[:12]}`) | "
+            f"{_cell(metrics)} | {_cell(missing or 'none')} | `{e.evaluation_id}` |"
+        )
+    return [*out, ""]
+
+
+def _promotions(promotions: Sequence[PromotionRecord]) -> list[str]:
+    out = ["## Promotion", ""]
+    if not promotions:
+        return [*out, "No promotion decision yet.", ""]
+    for p in promotions:
+        version = f" as {p.model_name} version {p.model_version}" if p.model_version else ""
+        champion = (
+            f" (previous champion: version {p.previous_champion_version})"
+            if p.previous_champion_version
+            else ""
+        )
+        out.append(
+            f"- {_when(p.decided_at)}: **{p.decision}**{version}{champion} for checkpoint "
+            f"`{_short(p.checkpoint_path)}` of attempt {p.attempt_no} — {p.reason}"
+        )
+    return [*out, ""]
 
 
 def render_run(ledger: Ledger, run: RunRecord, focus_attempt: int | None = None) -> str:
-    """The one-page story of ``run`` as Markdown."""
+    """The one-page story of ``run`` as Markdown; ``focus_attempt`` is highlighted."""
     attempts = ledger.attempts(run.run_id)
     checkpoints = ledger.checkpoints(run.run_id)
     evaluations = ledger.evaluations_for_run(run.run_id)
     promotions = ledger.promotions(run_id=run.run_id)
+    focus = next((a for a in attempts if a.attempt_no == focus_attempt), None)
     title = f"# Run {run.run_id}" + (f", attempt {focus_attempt}" if focus_attempt else "")
-    out = [
-        title,
-        "",
-        f"**{run.model_family}** for **{run.owner}** ({run.purpose}), "
-        f"created {_when(run.created_at)}; status **{run.status}** "
-        f"after {len(attempts)} attempt(s).",
-        "",
-        "## What was tried",
-        "",
-    ]
-    if attempts:
-        first = attempts[0]
-        out.append("```json")
-        out.append(json.dumps(first.config_snapshot, indent=2, sort_keys=True))
-        out.append("```")
-    out += [f"config sha256 `{run.config_sha256}`, code {run.code_commit or 'unknown'}", ""]
-    out += ["## Data", "", f"snapshot `{run.snapshot_id}`"]
-    if attempts:
-        out.append(f", manifest sha256 `{attempts[-1].data_manifest_sha256}`")
-    out += ["", "## Attempts and retries", ""]
-    previous = None
-    for attempt in attempts:
-        out += _attempt_section(attempt, previous)
-        out.append("")
-        previous = attempt
-    out += ["## Checkpoint lineage", ""]
-    if checkpoints:
-        out += [
-            "| step | attempt | state | parent | manifest | metrics |",
-            "|---:|---:|---|---|---|---|",
-        ]
-        for c in checkpoints:
-            parent = c.parent_path.rsplit("/", 1)[-1] if c.parent_path else "—"
-            metrics = ", ".join(
-                f"{k}={v:.4g}" for k, v in (c.metrics or {}).items() if isinstance(v, int | float)
-            )
-            out.append(
-                f"| {c.step} | {c.attempt_no} | {c.state} | {parent} | "
-                f"`{(c.manifest_sha256 or '')[:12]}` | {metrics} |"
-            )
-    else:
-        out.append("No checkpoint was ever started.")
-    out += ["", "## Evaluations", ""]
-    if evaluations:
-        out += ["| evaluator | status | checkpoint | metrics | id |", "|---|---|---|---|---|"]
-        for e in evaluations:
-            metrics = ", ".join(f"{k}={v:.4f}" for k, v in sorted((e.metrics or {}).items()))
-            status = e.status + (
-                f" ({e.termination_reason}: {e.detail})" if e.termination_reason else ""
-            )
-            out.append(
-                f"| {e.evaluator_name} {e.evaluator_version[:20]} | {status} | "
-                f"`{e.checkpoint_manifest_sha256[:12]}` | {metrics} | `{e.evaluation_id}` |"
-            )
-    else:
-        out.append("Not evaluated.")
-    out += ["", "## Promotion", ""]
-    if promotions:
-        for p in promotions:
-            version = f" as {p.model_name} version {p.model_version}" if p.model_version else ""
-            out.append(f"- {_when(p.decided_at)}: **{p.decision}**{version} — {p.reason}")
-    else:
-        out.append("No promotion decision yet.")
-    return "\n".join(out) + "\n"
+    out = [title, ""]
+    out += _summary(run, attempts, focus)
+    out += _what_was_tried(run, attempts, focus)
+    out += _data(run, attempts)
+    out += _placement(attempts, focus_attempt)
+    out += _lineage(attempts, checkpoints, focus_attempt)
+    out += _attempts(attempts, focus_attempt)
+    if focus is not None:
+        out += _focus_receipt(focus)
+    out += _evaluations(evaluations, any(a.termination_reason == "succeeded" for a in attempts))
+    out += _promotions(promotions)
+    return "\n".join(out).rstrip() + "\n"
 
 
 def explain(ledger: Ledger, target: str) -> str:
@@ -160,7 +425,7 @@ def explain(ledger: Ledger, target: str) -> str:
     except UnknownRunError:
         if attempt_no is None:
             raise
-        run = ledger.get_run(target)
+        run = ledger.get_run(target)  # a run id that itself ends in "#N" or "/N"
         attempt_no = None
     if attempt_no is not None:
         ledger.get_attempt(run.run_id, attempt_no)  # raises if it does not exist

@@ -7,9 +7,11 @@ because the database blinked.
 
 from __future__ import annotations
 
+import functools
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +25,7 @@ from pipeline.ledger.records import (
     AttemptRecord,
     AttemptStart,
     CheckpointRecord,
+    CostRow,
     EvaluationRecord,
     PromotionRecord,
     RunRecord,
@@ -40,13 +43,43 @@ T = TypeVar("T")
 
 _RETRIES = 5
 _MIGRATIONS = Path(__file__).with_name("migrations")
+_REVISION_LINE = re.compile(r"^(down_revision|revision)\s*=\s*['\"]([^'\"]+)['\"]", re.M)
+
+
+@functools.cache
+def head_revision() -> str | None:
+    """The newest migration, read from the files without importing Alembic (it is slow to load).
+
+    tests/test_cost.py checks this agrees with Alembic's own idea of the head.
+    """
+    revisions, parents = set(), set()
+    for path in (_MIGRATIONS / "versions").glob("*.py"):
+        found = dict(_REVISION_LINE.findall(path.read_text()))
+        if "revision" in found:
+            revisions.add(found["revision"])
+        if "down_revision" in found:
+            parents.add(found["down_revision"])
+    heads = revisions - parents
+    return heads.pop() if len(heads) == 1 else None
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def normalise_url(url: str) -> str:
+    """``postgresql://`` with the driver that is installed (psycopg2 here; SQLAlchemy 2.1
+    defaults to psycopg 3)."""
+    if url.startswith(("postgresql://", "postgres://")):
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg") is None:
+            return "postgresql+psycopg2://" + url.split("://", 1)[1]
+    return url
+
+
 def _make_engine(url: str) -> Engine:
+    url = normalise_url(url)
     if url.startswith("sqlite"):
         database = sa.engine.make_url(url).database
         if database and database != ":memory:":
@@ -96,8 +129,24 @@ class Ledger:
     def open(cls, url: str) -> Ledger:
         """Connect and bring the schema to the newest migration."""
         ledger = cls(url)
-        ledger.upgrade()
+        head = head_revision()
+        if head is None or ledger.schema_revision() != head:
+            ledger.upgrade()
         return ledger
+
+    def schema_revision(self) -> str | None:
+        """The ledger's migration revision, or None for an empty database.
+
+        Read with one query, so a ledger already at head opens without importing Alembic
+        (it costs a CLI call more than the query itself).
+        """
+        try:
+            with self.engine.connect() as conn:
+                return conn.execute(
+                    sa.text("SELECT version_num FROM tracks_ledger_version")
+                ).scalar()
+        except DBAPIError:
+            return None
 
     def upgrade(self, revision: str = "head") -> None:
         from alembic import command
@@ -188,6 +237,19 @@ class Ledger:
         rows = self._tx(lambda conn: conn.execute(query).all())
         return [RunRecord.from_row(r) for r in rows]
 
+    def set_run_retry_policy(self, run_id: str, policy: dict[str, Any]) -> None:
+        """Store the run's resolved retry policy (``RetryPolicy.to_json()``)."""
+        t = schema.training_runs
+        updated = self._tx(
+            lambda conn: (
+                conn.execute(
+                    sa.update(t).where(t.c.run_id == run_id).values(retry_policy=policy)
+                ).rowcount
+            )
+        )
+        if updated != 1:
+            raise UnknownRunError(run_id)
+
     def set_run_status(self, run_id: str, status: RunStatus) -> None:
         t = schema.training_runs
         self._tx(
@@ -274,13 +336,18 @@ class Ledger:
         *,
         model_family: str | None = None,
         termination_reason: TerminationReason | str | None = None,
-        status: AttemptStatus | None = None,
+        status: AttemptStatus | str | None = None,
         since: datetime | None = None,
         limit: int = 50,
+        run_id: str | None = None,
     ) -> list[AttemptRecord]:
         """Attempts, newest first, with optional filters."""
         t = schema.training_attempts
-        query = sa.select(t).order_by(t.c.started_at.desc()).limit(limit)
+        query = (
+            sa.select(t)
+            .order_by(t.c.started_at.desc(), t.c.run_id.desc(), t.c.attempt_no.desc())
+            .limit(limit)
+        )
         if model_family is not None:
             query = query.where(t.c.model_family == model_family)
         if termination_reason is not None:
@@ -289,6 +356,41 @@ class Ledger:
             query = query.where(t.c.status == str(status))
         if since is not None:
             query = query.where(t.c.started_at >= since)
+        if run_id is not None:
+            query = query.where(t.c.run_id == run_id)
+        rows = self._tx(lambda conn: conn.execute(query).all())
+        return [AttemptRecord.from_row(r) for r in rows]
+
+    def cost_by_reason(
+        self, model_family: str, days: float, *, now: datetime | None = None
+    ) -> list[CostRow]:
+        """The seed question: attempts and GPU-hours per termination reason, most GPU-hours first.
+
+        Same answer as DESIGN.md's SQL, on SQLite and PostgreSQL; the window starts ``days``
+        before ``now`` (computed here, so both databases compare against the same instant).
+        """
+        query = cost_by_reason_query(model_family, (now or utcnow()) - timedelta(days=days))
+        rows = self._tx(lambda conn: conn.execute(query).all())
+        return [
+            CostRow(termination_reason=r[0], attempts=int(r[1]), gpu_hours=float(r[2] or 0.0))
+            for r in rows
+        ]
+
+    def silent_attempts(
+        self, heartbeat_timeout_seconds: float, *, now: datetime | None = None
+    ) -> list[AttemptRecord]:
+        """Attempts still marked running whose heartbeat is older than the timeout.
+
+        Alive-but-silent: the resume sensor classifies these as preempted (heartbeat expired).
+        """
+        t = schema.training_attempts
+        cutoff = (now or utcnow()) - timedelta(seconds=heartbeat_timeout_seconds)
+        query = (
+            sa.select(t)
+            # A literal, not a bound parameter: SQLite uses the partial index only then.
+            .where(sa.text("training_attempts.status = 'running'"), t.c.heartbeat_at < cutoff)
+            .order_by(t.c.heartbeat_at)
+        )
         rows = self._tx(lambda conn: conn.execute(query).all())
         return [AttemptRecord.from_row(r) for r in rows]
 
@@ -562,6 +664,18 @@ class Ledger:
     def current_champion(self, model_name: str) -> PromotionRecord | None:
         promoted = self.promotions(model_name=model_name, decision=PromotionDecision.PROMOTED)
         return promoted[0] if promoted else None
+
+
+def cost_by_reason_query(model_family: str, since: datetime) -> sa.Select[Any]:
+    """The seed question as a SQLAlchemy query (``Ledger.cost_by_reason``; the benchmark's plan)."""
+    t = schema.training_attempts
+    gpu_hours = (sa.func.sum(t.c.gpu_seconds) / 3600.0).label("gpu_hours")
+    return (
+        sa.select(t.c.termination_reason, sa.func.count().label("attempts"), gpu_hours)
+        .where(t.c.model_family == model_family, t.c.started_at >= since)
+        .group_by(t.c.termination_reason)
+        .order_by(gpu_hours.desc(), t.c.termination_reason.asc().nulls_last())
+    )
 
 
 def _record_values(record: Any, table: sa.Table) -> dict[str, Any]:

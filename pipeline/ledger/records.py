@@ -154,6 +154,15 @@ class PromotionRecord(_Record):
 
 
 @dataclass(frozen=True)
+class CostRow:
+    """One line of the cost question: attempts and GPU-hours per termination reason."""
+
+    termination_reason: str | None  # None while an attempt is still running
+    attempts: int
+    gpu_hours: float
+
+
+@dataclass(frozen=True)
 class AttemptStart:
     """What the orchestrator (or a standalone trainer) knows when an attempt begins."""
 

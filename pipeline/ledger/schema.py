@@ -68,6 +68,14 @@ training_attempts = sa.Table(
         "termination_reason",
         "gpu_seconds",
     ),
+    # `tracks attempts` lists newest first; the resume sensor looks for silent running attempts.
+    sa.Index("ix_training_attempts_started", "started_at"),
+    sa.Index(
+        "ix_training_attempts_running_heartbeat",
+        "heartbeat_at",
+        sqlite_where=sa.text("status = 'running'"),
+        postgresql_where=sa.text("status = 'running'"),
+    ),
 )
 
 checkpoints = sa.Table(
