@@ -1,11 +1,11 @@
 """``training_attempt`` runs the trainer through Pipes; ``committed_checkpoint`` verifies it."""
 
-import secrets
-from datetime import UTC, datetime
+import resource
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
+from dagster._core.errors import DagsterExecutionInterruptedError
 
 from assets.lineage import upstream_metadata
 from assets.partitions import snapshot_partitions
@@ -19,7 +19,7 @@ class TrainingConfig(dg.Config):
     owner: str = "tracks"
     purpose: str = "baseline"
     run_id: str | None = None
-    """Continue this existing run (a resume) instead of starting a new one."""
+    """Continue this existing run (a resume or retry) instead of starting a new one."""
     seed: int = 0
     max_steps: int = 600
     batch_size: int = 64
@@ -31,9 +31,11 @@ class TrainingConfig(dg.Config):
     channels: int = 16
     hidden: int = 64
     dropout: float = 0.0
+    max_wall_seconds: float | None = None
+    retry_policy: str | None = None
+    """YAML text (or a path to a YAML file) with a ``retry_policy:`` section; defaults otherwise."""
 
-    def train_config(self, snapshot_dir: Path) -> dict[str, Any]:
-        """The resolved trainer config (the immutable ``config_snapshot`` of the attempt)."""
+    def train_config_dict(self, snapshot_dir: Path) -> dict[str, Any]:
         return {
             "model_family": self.model_family,
             "seed": self.seed,
@@ -44,18 +46,19 @@ class TrainingConfig(dg.Config):
             "optimizer": self.optimizer,
             "checkpoint_every_steps": self.checkpoint_every_steps,
             "keep_last_k": self.keep_last_k,
+            "max_wall_seconds": self.max_wall_seconds,
             "model": {"channels": self.channels, "hidden": self.hidden, "dropout": self.dropout},
             "snapshot_dir": str(snapshot_dir),
         }
 
 
-def new_run_id(model_family: str, snapshot_id: str) -> str:
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-    return f"{model_family}-{snapshot_id.split('-')[-1][:8]}-{stamp}-{secrets.token_hex(2)}"
+def _messages(outcome: TrainerExit, event: str) -> list[dict[str, Any]]:
+    return [m for m in outcome.custom_messages if isinstance(m, dict) and m.get("event") == event]
 
 
-def _step_messages(outcome: TrainerExit, kind: str) -> list[dict[str, Any]]:
-    return [m for m in outcome.custom_messages if isinstance(m, dict) and m.get("event") == kind]
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 @dg.asset(
@@ -72,147 +75,116 @@ def training_attempt(
     storage: StorageResource,
     trainer: TrainerLauncherResource,
 ) -> dg.MaterializeResult:
-    import yaml
-
+    from pipeline.attempts import AttemptRefusedError, finish_attempt, prepare_attempt
     from pipeline.data.snapshot import open_snapshot
-    from pipeline.environment import code_commit, container_digest, placement
-    from pipeline.ledger import AttemptStart
-    from pipeline.reasons import classify_exit, read_last_words
-    from pipeline.states import RunStatus, TerminationReason
+    from pipeline.explain import explain
+    from pipeline.retry import RetryAction, RetryPolicyError, load_retry_policy
     from pipeline.trainer.config import ConfigError, TrainConfig
 
     book = ledger.ledger()
     snapshot = open_snapshot(storage.snapshots() / context.partition_key)
+    retried_run = _run_started_by_this_dagster_run(book, context)
     try:
         train_config = TrainConfig.from_dict(
-            config.train_config(snapshot.path), source="run config of training_attempt"
+            config.train_config_dict(snapshot.path), source="run config of training_attempt"
         )
-    except ConfigError as exc:
-        raise dg.Failure(description=str(exc), allow_retries=False) from exc
-    # The trainer's own resolution (defaults filled in) is the config snapshot: the attempt row
-    # and every checkpoint carry the same digest.
-    resolved = train_config.to_dict()
-    config_sha = train_config.sha256()
-
-    if config.run_id:
-        run = book.get_run(config.run_id)
-    else:
-        run = book.create_run(
-            run_id=new_run_id(config.model_family, snapshot.snapshot_id),
-            model_family=config.model_family,
+        policy = load_retry_policy(config.retry_policy)
+        prepared = prepare_attempt(
+            book,
+            snapshot=snapshot,
+            train_config=train_config,
+            work_root=storage.work_dir(),
+            run_id=config.run_id or retried_run,
             owner=config.owner,
             purpose=config.purpose,
-            config_sha256=config_sha,
-            snapshot_id=snapshot.snapshot_id,
-            code_commit=code_commit(),
-        )
-    run_dir = storage.work_dir(run.run_id)
-    config_path = run_dir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(resolved, sort_keys=True))
-
-    resume_from = book.latest_committed_checkpoint(run.run_id)
-    attempt = book.begin_attempt(
-        run.run_id,
-        AttemptStart(
-            config_snapshot=resolved,
-            config_sha256=config_sha,
-            data_manifest_sha256=snapshot.manifest_sha256,
-            container_digest=container_digest(),
-            placement=placement(),
+            retry_policy=policy,
             dagster_run_id=context.run_id,
-            code_commit=run.code_commit,
-            resumed_from_checkpoint=resume_from.path if resume_from else None,
-        ),
-    )
+        )
+    except (ConfigError, RetryPolicyError, AttemptRefusedError) as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+
+    run, attempt = prepared.run, prepared.attempt
     context.log.info(
         f"attempt {attempt.key} starts"
-        + (f", resuming from {resume_from.path}" if resume_from else " from scratch")
+        + (f", resuming from {prepared.resume_from.path}" if prepared.resume_from else " fresh")
     )
-    args = [
-        "--config", str(config_path),
-        "--run-id", run.run_id,
-        "--store", str(storage.checkpoints()),
-        "--ledger-url", book.url,
-        "--attempt-no", str(attempt.attempt_no),
-        "--fencing-token", str(attempt.fencing_token),
-    ]  # fmt: skip
     outcome: TrainerExit | None = None
+    interrupted = False
+    cpu_before = _children_cpu_seconds()
     try:
-        _, outcome = trainer.launch(context, args, extras={"run_id": run.run_id})
+        _, outcome = trainer.launch(
+            context,
+            prepared.trainer_args(storage.checkpoints(), book.url),
+            extras={"run_id": run.run_id, "attempt_no": attempt.attempt_no},
+        )
+    except DagsterExecutionInterruptedError:
+        interrupted = True  # a person terminated the Dagster run
+        raise
     finally:
-        latest = book.latest_committed_checkpoint(run.run_id)
-        if outcome is None:
-            # The step itself was interrupted (run terminated from the UI): the launcher
-            # already asked the trainer to save and stop.
-            termination = classify_exit(
-                returncode=-1, signal_name=None, last_words=None, cancelled=True,
-                last_committed_step=latest.step if latest else None,
-            )  # fmt: skip
-            exit_code, signal_name = None, None
-        else:
-            last_words = read_last_words(
-                storage.checkpoints() / run.run_id / f"attempt-{attempt.attempt_no}.last_words.json"
-            )
-            termination = classify_exit(
-                returncode=outcome.returncode,
-                signal_name=outcome.signal_name,
-                last_words=last_words,
-                last_committed_step=latest.step if latest else None,
-            )
-            exit_code, signal_name = outcome.returncode, outcome.signal_name
-        ended = book.end_attempt(
-            run.run_id,
-            attempt.attempt_no,
-            termination_reason=termination.reason,
-            termination_detail=termination.detail,
-            exit_code=exit_code,
-            signal=signal_name,
-            last_step=latest.step if latest else None,
-            gpu_seconds=0.0,
-            cpu_seconds=(datetime.now(UTC) - attempt.started_at).total_seconds(),
-        )
-        book.set_run_status(
-            run.run_id,
-            RunStatus.SUCCEEDED
-            if termination.reason == TerminationReason.SUCCEEDED
-            else RunStatus.RUNNING,
+        # Runs when the Dagster run is terminated too: the receipt is always closed.
+        finished = finish_attempt(
+            book,
+            prepared,
+            store=storage.checkpoints(),
+            returncode=outcome.returncode if outcome else None,
+            signal_name=outcome.signal_name if outcome else None,
+            cancelled=interrupted,
+            cpu_seconds=_children_cpu_seconds() - cpu_before,
         )
 
-    if termination.reason != TerminationReason.SUCCEEDED:
-        raise dg.Failure(
-            description=f"attempt {ended.key} ended {termination.reason}: {termination.detail}",
-            metadata={
-                "run_id": run.run_id,
-                "attempt_no": attempt.attempt_no,
-                "termination_reason": str(termination.reason),
-                "exit_code": exit_code if exit_code is not None else -1,
-            },
-            allow_retries=False,
-        )
-
-    steps = _step_messages(outcome, "step") if outcome else []
-    commits = _step_messages(outcome, "checkpoint_committed") if outcome else []
+    story = dg.MetadataValue.md(explain(book, attempt.key))
     metadata: dict[str, Any] = {
         "run_id": run.run_id,
         "attempt_no": attempt.attempt_no,
-        "termination_reason": str(termination.reason),
-        "config_sha256": config_sha,
+        "termination_reason": str(finished.termination.reason),
+        "termination_detail": finished.termination.detail,
+        "retry_decision": dg.MetadataValue.json(finished.decision.to_json()),
+        "explain": story,
+    }
+    if not finished.succeeded:
+        decision = finished.decision
+        description = (
+            f"attempt {attempt.key} ended {finished.termination.reason}: "
+            f"{finished.termination.detail} Next: {decision.action} ({decision.reason})"
+        )
+        if decision.action == RetryAction.RETRY:
+            # Quick retries (infra_transient) stay inside this Dagster run; resumes after
+            # preemption belong to the resume sensor, so Dagster never retries those itself.
+            # The ledger's budget decides; Dagster's own retry count must never refuse first.
+            context.log.warning(description)
+            raise dg.RetryRequested(
+                max_retries=context.retry_number + 1, seconds_to_wait=decision.backoff_seconds
+            )
+        raise dg.Failure(description=description, metadata=metadata, allow_retries=False)
+
+    steps = _messages(outcome, "step") if outcome else []
+    commits = _messages(outcome, "checkpoint_committed") if outcome else []
+    metadata |= {
+        "config_sha256": prepared.train_config.sha256(),
         "snapshot_id": snapshot.snapshot_id,
         "data_manifest_sha256": snapshot.manifest_sha256,
-        "resumed_from_checkpoint": resume_from.path if resume_from else "none",
+        "resumed_from_checkpoint": prepared.resume_from.path if prepared.resume_from else "none",
         "checkpoints_committed": dg.MetadataValue.json(
             [{"step": c.get("step"), "path": c.get("path")} for c in commits]
         ),
-        "config": dg.MetadataValue.json(resolved),
+        "config": dg.MetadataValue.json(prepared.train_config.to_dict()),
     }
     if steps:
-        metadata["final_loss"] = float(steps[-1].get("loss", float("nan")))
-        metadata["first_loss"] = float(steps[0].get("loss", float("nan")))
+        metadata["first_loss"] = float(steps[0]["loss"])
+        metadata["final_loss"] = float(steps[-1]["loss"])
         metadata["examples_per_second"] = float(steps[-1].get("examples_per_second", 0.0))
         metadata["loss_curve"] = dg.MetadataValue.json(
             [{"step": s.get("step"), "loss": s.get("loss")} for s in steps]
         )
     return dg.MaterializeResult(metadata=metadata)
+
+
+def _run_started_by_this_dagster_run(book: Any, context: dg.AssetExecutionContext) -> str | None:
+    """On a step retry, the run this Dagster run already started: its attempts continue it."""
+    if context.retry_number == 0:
+        return None
+    started = book.attempts_for_dagster_run(context.run_id)
+    return started[0].run_id if started else None
 
 
 @dg.asset(

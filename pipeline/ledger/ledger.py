@@ -327,6 +327,16 @@ class Ledger:
         )
         return [AttemptRecord.from_row(r) for r in rows]
 
+    def attempts_for_dagster_run(self, dagster_run_id: str) -> list[AttemptRecord]:
+        """Attempts one Dagster run started, oldest first."""
+        t = schema.training_attempts
+        rows = self._tx(
+            lambda conn: conn.execute(
+                sa.select(t).where(t.c.dagster_run_id == dagster_run_id).order_by(t.c.started_at)
+            ).all()
+        )
+        return [AttemptRecord.from_row(r) for r in rows]
+
     def latest_attempt(self, run_id: str) -> AttemptRecord | None:
         found = self.attempts(run_id)
         return found[-1] if found else None

@@ -1,0 +1,223 @@
+"""One attempt from the orchestrator's side: open the receipt, launch, classify, decide.
+
+Framework-free so the Dagster asset, the CLI and the drills share it: the caller only supplies
+how the trainer process is launched and how it ended.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.data.snapshot import Snapshot
+from pipeline.environment import code_commit, container_digest, placement
+from pipeline.ledger import AttemptRecord, AttemptStart, CheckpointRecord, Ledger, RunRecord
+from pipeline.reasons import (
+    Termination,
+    classify_exit,
+    oom_kills_since,
+    read_cgroup_oom_kills,
+    read_last_words,
+)
+from pipeline.retry import (
+    RetryAction,
+    RetryDecision,
+    RetryPolicy,
+    decide,
+    policy_for_run,
+    record_decision,
+)
+from pipeline.states import Purpose, RunStatus, TerminationReason
+from pipeline.trainer.config import TrainConfig
+
+
+class AttemptRefusedError(Exception):
+    """The retry policy says this run gets no further attempt."""
+
+    def __init__(self, run_id: str, decision: RetryDecision) -> None:
+        super().__init__(
+            f"run {run_id} gets no attempt {decision.attempt_no + 1}: {decision.reason} "
+            f"(rule {decision.rule})"
+        )
+        self.run_id = run_id
+        self.decision = decision
+
+
+@dataclass(frozen=True)
+class PreparedAttempt:
+    """An attempt whose receipt is open in the ledger and whose trainer is about to start."""
+
+    run: RunRecord
+    attempt: AttemptRecord
+    train_config: TrainConfig
+    config_path: Path
+    resume_from: CheckpointRecord | None
+    oom_kills_before: int | None
+
+    def trainer_args(self, store: Path, ledger_url: str) -> list[str]:
+        """The trainer's command-line contract for this attempt."""
+        return [
+            "--config", str(self.config_path),
+            "--run-id", self.run.run_id,
+            "--store", str(store),
+            "--ledger-url", ledger_url,
+            "--attempt-no", str(self.attempt.attempt_no),
+            "--fencing-token", str(self.attempt.fencing_token),
+        ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FinishedAttempt:
+    """The closed receipt, its one termination reason and what the retry policy decided."""
+
+    attempt: AttemptRecord
+    termination: Termination
+    decision: RetryDecision
+
+    @property
+    def succeeded(self) -> bool:
+        return self.termination.reason == TerminationReason.SUCCEEDED
+
+
+def new_run_id(model_family: str, snapshot_id: str) -> str:
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    return f"{model_family}-{snapshot_id.split('-')[-1][:8]}-{stamp}-{secrets.token_hex(2)}"
+
+
+def prepare_attempt(
+    ledger: Ledger,
+    *,
+    snapshot: Snapshot,
+    train_config: TrainConfig,
+    work_root: Path,
+    run_id: str | None = None,
+    owner: str = "tracks",
+    purpose: Purpose | str = Purpose.BASELINE,
+    retry_policy: RetryPolicy | None = None,
+    dagster_run_id: str | None = None,
+) -> PreparedAttempt:
+    """Create the run (or continue ``run_id``) and open the next attempt's receipt.
+
+    Continuing a run first asks the retry policy about its last ended attempt with the config
+    the new attempt would use, so an OOM retried with an unchanged batch is refused here,
+    before any accelerator time is spent.
+    """
+    resolved = train_config.to_dict()
+    if run_id is None:
+        run = ledger.create_run(
+            run_id=new_run_id(train_config.model_family, snapshot.snapshot_id),
+            model_family=train_config.model_family,
+            owner=owner,
+            purpose=purpose,
+            config_sha256=train_config.sha256(),
+            snapshot_id=snapshot.snapshot_id,
+            code_commit=code_commit(),
+            retry_policy=(retry_policy or RetryPolicy()).to_json(),
+        )
+    else:
+        run = ledger.get_run(run_id)
+        _refuse_unless_policy_allows(ledger, run, resolved)
+
+    run_dir = work_root / run.run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / f"config-{train_config.sha256()[:12]}.yaml"
+    config_path.write_text(yaml.safe_dump(resolved, sort_keys=True))
+
+    resume_from = ledger.latest_committed_checkpoint(run.run_id)
+    attempt = ledger.begin_attempt(
+        run.run_id,
+        AttemptStart(
+            config_snapshot=resolved,
+            config_sha256=train_config.sha256(),
+            data_manifest_sha256=snapshot.manifest_sha256,
+            container_digest=container_digest(),
+            placement=placement(),
+            dagster_run_id=dagster_run_id,
+            code_commit=run.code_commit,
+            resumed_from_checkpoint=resume_from.path if resume_from else None,
+        ),
+    )
+    return PreparedAttempt(
+        run=run,
+        attempt=attempt,
+        train_config=train_config,
+        config_path=config_path,
+        resume_from=resume_from,
+        oom_kills_before=read_cgroup_oom_kills(),
+    )
+
+
+def _refuse_unless_policy_allows(
+    ledger: Ledger, run: RunRecord, next_config: dict[str, Any]
+) -> None:
+    attempts = ledger.attempts(run.run_id)
+    last = attempts[-1] if attempts else None
+    if last is None or last.termination_reason is None:
+        return  # nothing ended yet (or still running: the fencing token settles who wins)
+    decision = decide(
+        policy_for_run(run), attempts, last, next_config, checkpoints=ledger.checkpoints(run.run_id)
+    )
+    if decision.action == RetryAction.NONE:
+        return  # the run already succeeded; a new attempt resumes at max_steps and ends at once
+    if not decision.continues:
+        raise AttemptRefusedError(run.run_id, decision)
+
+
+def finish_attempt(
+    ledger: Ledger,
+    prepared: PreparedAttempt,
+    *,
+    store: Path,
+    returncode: int | None,
+    signal_name: str | None,
+    cancelled: bool = False,
+    cpu_seconds: float = 0.0,
+) -> FinishedAttempt:
+    """Classify how the trainer ended, close the receipt, and record the retry decision."""
+    from pipeline.trainer.attempt import last_words_path
+
+    run_id, attempt_no = prepared.run.run_id, prepared.attempt.attempt_no
+    latest = ledger.latest_committed_checkpoint(run_id)
+    last_step = latest.step if latest else None
+    wall = (datetime.now(UTC) - prepared.attempt.started_at).total_seconds()
+    termination = classify_exit(
+        returncode=-1 if returncode is None else returncode,
+        signal_name=signal_name,
+        last_words=read_last_words(last_words_path(store, run_id, attempt_no)),
+        cancelled=cancelled,
+        last_committed_step=last_step,
+        cgroup_oom_kills=oom_kills_since(prepared.oom_kills_before),
+        wall_seconds=wall,
+        max_wall_seconds=prepared.train_config.max_wall_seconds,
+    )
+    accelerators = int(prepared.attempt.placement.get("accelerator_count") or 0)
+    ended = ledger.end_attempt(
+        run_id,
+        attempt_no,
+        termination_reason=termination.reason,
+        termination_detail=termination.detail,
+        exit_code=returncode,
+        signal=signal_name,
+        gpu_seconds=accelerators * wall,
+        cpu_seconds=cpu_seconds,
+        last_step=last_step,
+    )
+    decision = decide(
+        policy_for_run(prepared.run),
+        ledger.attempts(run_id),
+        ended,
+        checkpoints=ledger.checkpoints(run_id),
+    )
+    record_decision(ledger, ended, decision)
+    if termination.reason == TerminationReason.SUCCEEDED:
+        ledger.set_run_status(run_id, RunStatus.SUCCEEDED)
+    elif not decision.continues:
+        ledger.set_run_status(run_id, RunStatus.FAILED)
+    return FinishedAttempt(
+        attempt=ledger.get_attempt(run_id, attempt_no), termination=termination, decision=decision
+    )
