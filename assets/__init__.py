@@ -7,5 +7,7 @@ from assets.promotion import promoted_model
 from assets.training import committed_checkpoint, training_attempt
 
 ALL_ASSETS = [data_snapshot, training_attempt, committed_checkpoint, evaluation, promoted_model]
+# Checks defined apart from their asset (data_snapshot declares its own through check_specs).
+ALL_ASSET_CHECKS: list = []
 
-__all__ = ["ALL_ASSETS", "snapshot_partitions"]
+__all__ = ["ALL_ASSETS", "ALL_ASSET_CHECKS", "snapshot_partitions"]

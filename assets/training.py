@@ -78,12 +78,11 @@ def training_attempt(
     from pipeline.attempts import AttemptRefusedError, finish_attempt, prepare_attempt
     from pipeline.data.snapshot import open_snapshot
     from pipeline.explain import explain
-    from pipeline.retry import RetryAction, RetryPolicyError, load_retry_policy
+    from pipeline.retry import RetryPolicyError, load_retry_policy
     from pipeline.trainer.config import ConfigError, TrainConfig
 
     book = ledger.ledger()
     snapshot = open_snapshot(storage.snapshots() / context.partition_key)
-    retried_run = _run_started_by_this_dagster_run(book, context)
     try:
         train_config = TrainConfig.from_dict(
             config.train_config_dict(snapshot.path), source="run config of training_attempt"
@@ -94,7 +93,7 @@ def training_attempt(
             snapshot=snapshot,
             train_config=train_config,
             work_root=storage.work_dir(),
-            run_id=config.run_id or retried_run,
+            run_id=config.run_id,
             owner=config.owner,
             purpose=config.purpose,
             retry_policy=policy,
@@ -147,14 +146,8 @@ def training_attempt(
             f"attempt {attempt.key} ended {finished.termination.reason}: "
             f"{finished.termination.detail} Next: {decision.action} ({decision.reason})"
         )
-        if decision.action == RetryAction.RETRY:
-            # Quick retries (infra_transient) stay inside this Dagster run; resumes after
-            # preemption belong to the resume sensor, so Dagster never retries those itself.
-            # The ledger's budget decides; Dagster's own retry count must never refuse first.
-            context.log.warning(description)
-            raise dg.RetryRequested(
-                max_retries=context.retry_number + 1, seconds_to_wait=decision.backoff_seconds
-            )
+        # One owner per failure: the resume sensor continues the run (resume, retry after its
+        # backoff, rollback) as the decision says; Dagster itself never retries this step.
         raise dg.Failure(description=description, metadata=metadata, allow_retries=False)
 
     steps = _messages(outcome, "step") if outcome else []
@@ -177,14 +170,6 @@ def training_attempt(
             [{"step": s.get("step"), "loss": s.get("loss")} for s in steps]
         )
     return dg.MaterializeResult(metadata=metadata)
-
-
-def _run_started_by_this_dagster_run(book: Any, context: dg.AssetExecutionContext) -> str | None:
-    """On a step retry, the run this Dagster run already started: its attempts continue it."""
-    if context.retry_number == 0:
-        return None
-    started = book.attempts_for_dagster_run(context.run_id)
-    return started[0].run_id if started else None
 
 
 @dg.asset(

@@ -10,10 +10,10 @@ import os
 
 import dagster as dg
 
-from assets import ALL_ASSETS
+from assets import ALL_ASSET_CHECKS, ALL_ASSETS
 from pipeline.settings import TracksSettings
 from resources import LedgerResource, MlflowResource, StorageResource, TrainerLauncherResource
-from sensors import train_evaluate_promote
+from sensors import ALL_JOBS, ALL_SCHEDULES, ALL_SENSORS
 
 
 class DeploymentError(Exception):
@@ -59,7 +59,10 @@ def build_definitions(settings: TracksSettings | None = None) -> dg.Definitions:
     settings.ensure_dirs()
     return dg.Definitions(
         assets=ALL_ASSETS,
-        jobs=[train_evaluate_promote],
+        asset_checks=ALL_ASSET_CHECKS,
+        jobs=ALL_JOBS,
+        sensors=ALL_SENSORS,
+        schedules=ALL_SCHEDULES,
         resources=resources_for(os.environ.get("TRACKS_ENV", "local"), settings),
     )
 
