@@ -19,7 +19,9 @@ class TrainingConfig(dg.Config):
     owner: str = "tracks"
     purpose: str = "baseline"
     run_id: str | None = None
-    """Continue this existing run (a resume or retry) instead of starting a new one."""
+    """Continue this existing run (a resume or retry): its last attempt's config is reused."""
+    overrides: str | None = None
+    """With ``run_id``: YAML of keys to change for the next attempt, e.g. ``batch_size: 32``."""
     seed: int = 0
     max_steps: int = 600
     batch_size: int = 64
@@ -52,6 +54,35 @@ class TrainingConfig(dg.Config):
         }
 
 
+def _config_for_attempt(book: Any, config: TrainingConfig, snapshot: Any) -> dict[str, Any]:
+    """A new run's config from the run config; a continued run's from its last attempt."""
+    import yaml
+
+    from pipeline.trainer.config import ConfigError
+
+    if not config.run_id:
+        return config.train_config_dict(snapshot.path)
+    run = book.get_run(config.run_id)
+    if run.snapshot_id != snapshot.snapshot_id:
+        raise ConfigError(
+            "run config of training_attempt",
+            "run_id",
+            f"run {run.run_id} trains on snapshot {run.snapshot_id}, "
+            f"not on this partition's {snapshot.snapshot_id}",
+        )
+    last = book.latest_attempt(run.run_id)
+    base = dict(last.config_snapshot) if last else config.train_config_dict(snapshot.path)
+    changes = yaml.safe_load(config.overrides) if config.overrides else {}
+    if not isinstance(changes, dict):
+        raise ConfigError("run config of training_attempt", "overrides", "must be a YAML mapping")
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return base
+
+
 def _messages(outcome: TrainerExit, event: str) -> list[dict[str, Any]]:
     return [m for m in outcome.custom_messages if isinstance(m, dict) and m.get("event") == event]
 
@@ -78,6 +109,7 @@ def training_attempt(
     from pipeline.attempts import AttemptRefusedError, finish_attempt, prepare_attempt
     from pipeline.data.snapshot import open_snapshot
     from pipeline.explain import explain
+    from pipeline.ledger import LedgerError
     from pipeline.retry import RetryPolicyError, load_retry_policy
     from pipeline.trainer.config import ConfigError, TrainConfig
 
@@ -85,7 +117,7 @@ def training_attempt(
     snapshot = open_snapshot(storage.snapshots() / context.partition_key)
     try:
         train_config = TrainConfig.from_dict(
-            config.train_config_dict(snapshot.path), source="run config of training_attempt"
+            _config_for_attempt(book, config, snapshot), source="run config of training_attempt"
         )
         policy = load_retry_policy(config.retry_policy)
         prepared = prepare_attempt(
@@ -99,7 +131,7 @@ def training_attempt(
             retry_policy=policy,
             dagster_run_id=context.run_id,
         )
-    except (ConfigError, RetryPolicyError, AttemptRefusedError) as exc:
+    except (ConfigError, RetryPolicyError, AttemptRefusedError, LedgerError) as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
 
     run, attempt = prepared.run, prepared.attempt

@@ -54,3 +54,44 @@ class TracksSettings:
             self.work_root,
         ):
             path.mkdir(parents=True, exist_ok=True)
+
+
+@dataclass(frozen=True)
+class AutomationSettings:
+    """How often the sensors look, and when a silent attempt counts as lost."""
+
+    resume_interval_seconds: int = 5
+    heartbeat_timeout_seconds: float = 60.0
+    new_snapshot_interval_seconds: int = 30
+    landing_settle_seconds: float = 2.0
+    nightly_cron: str = "0 3 * * *"
+    automation_on: bool = True
+
+    @classmethod
+    def from_env(
+        cls, environ: os._Environ[str] | dict[str, str] | None = None
+    ) -> AutomationSettings:
+        """Read the ``TRACKS_*`` variables named after each field.
+
+        ``TRACKS_RESUME_INTERVAL``, ``TRACKS_HEARTBEAT_TIMEOUT``, ``TRACKS_NEW_SNAPSHOT_INTERVAL``,
+        ``TRACKS_LANDING_SETTLE``, ``TRACKS_NIGHTLY_CRON``; ``TRACKS_AUTOMATION`` (on/off) says
+        whether the new-data sensor and the nightly schedule start running by default.
+        """
+        env = os.environ if environ is None else environ
+        default = cls()
+        return cls(
+            resume_interval_seconds=int(
+                env.get("TRACKS_RESUME_INTERVAL", default.resume_interval_seconds)
+            ),
+            heartbeat_timeout_seconds=float(
+                env.get("TRACKS_HEARTBEAT_TIMEOUT", default.heartbeat_timeout_seconds)
+            ),
+            new_snapshot_interval_seconds=int(
+                env.get("TRACKS_NEW_SNAPSHOT_INTERVAL", default.new_snapshot_interval_seconds)
+            ),
+            landing_settle_seconds=float(
+                env.get("TRACKS_LANDING_SETTLE", default.landing_settle_seconds)
+            ),
+            nightly_cron=env.get("TRACKS_NIGHTLY_CRON", default.nightly_cron),
+            automation_on=env.get("TRACKS_AUTOMATION", "on").lower() not in ("off", "0", "false"),
+        )

@@ -1,0 +1,68 @@
+"""``resume_after_preemption``: continue a run from its last committed checkpoint, by itself.
+
+Reads the ledger each tick (see DESIGN.md, "Platform facts": run-failure sensors miss events).
+The retry decision on the ended attempt says whether to continue; the run key makes each
+continuation happen once; Dagster's own run retries stay off, so this sensor is the one owner.
+"""
+
+from datetime import UTC, datetime
+
+import dagster as dg
+
+from pipeline.settings import AutomationSettings
+from resources import LedgerResource
+
+AUTOMATION = AutomationSettings.from_env()
+
+CONTINUATION_ASSETS = [
+    dg.AssetKey("training_attempt"),
+    dg.AssetKey("committed_checkpoint"),
+    dg.AssetKey("evaluation"),
+    dg.AssetKey("promoted_model"),
+]
+
+
+@dg.sensor(
+    name="resume_after_preemption",
+    minimum_interval_seconds=AUTOMATION.resume_interval_seconds,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    asset_selection=CONTINUATION_ASSETS,
+    description=(
+        "Resumes runs whose last attempt was preempted, timed out or hit a transient fault, "
+        "within their retry budget; closes attempts whose heartbeat went silent."
+    ),
+)
+def resume_after_preemption(
+    context: dg.SensorEvaluationContext, ledger: LedgerResource
+) -> dg.SensorResult | dg.SkipReason:
+    from pipeline.continuation import expire_silent_attempts, pending_continuations
+
+    book = ledger.ledger()
+    for attempt in expire_silent_attempts(book, AUTOMATION.heartbeat_timeout_seconds):
+        context.log.warning(
+            f"attempt {attempt.key} went silent: {attempt.termination_detail} "
+            f"Decision: {(attempt.retry_decision or {}).get('reason')}"
+        )
+    now = datetime.now(UTC)
+    requests = []
+    for c in pending_continuations(book):
+        if c.not_before > now:
+            context.log.info(f"{c.run_key}: backing off until {c.not_before:%H:%M:%S}")
+            continue
+        requests.append(
+            dg.RunRequest(
+                run_key=c.run_key,
+                partition_key=c.run.snapshot_id,
+                asset_selection=CONTINUATION_ASSETS,
+                run_config={"ops": {"training_attempt": {"config": {"run_id": c.run.run_id}}}},
+                tags={
+                    "tracks/run_id": c.run.run_id,
+                    "tracks/continues_attempt": str(c.ended.attempt_no),
+                    "tracks/decision": str(c.decision.action),
+                    "tracks/rule": c.decision.rule,
+                },
+            )
+        )
+    if not requests:
+        return dg.SkipReason("no run is waiting to be resumed")
+    return dg.SensorResult(run_requests=requests)

@@ -1,0 +1,68 @@
+"""``nightly_retrain``: a new run on the newest snapshot whose blocking checks passed."""
+
+import dagster as dg
+
+from assets.partitions import snapshot_partitions
+from pipeline.settings import AutomationSettings
+from sensors.jobs import train_evaluate_promote
+
+AUTOMATION = AutomationSettings.from_env()
+BLOCKING_CHECKS = ("schema_contract", "data_quality")
+
+
+def newest_checked_snapshot(instance: dg.DagsterInstance) -> str | None:
+    """The most recently registered snapshot whose blocking checks last passed."""
+    from dagster._core.storage.asset_check_execution_record import (
+        AssetCheckExecutionRecordStatus as Status,
+    )
+
+    latest: dict[str, dict[str, Status]] = {}
+    partition_of_run: dict[str, str | None] = {}
+    for name in BLOCKING_CHECKS:
+        key = dg.AssetCheckKey(dg.AssetKey("data_snapshot"), name)
+        for record in instance.event_log_storage.get_asset_check_execution_history(key, limit=500):
+            if record.status == Status.PLANNED:
+                continue
+            # Checks declared with check_specs carry no partition on their record; the run's
+            # partition tag says which snapshot was checked.
+            partition = record.partition
+            if partition is None:
+                if record.run_id not in partition_of_run:
+                    run = instance.get_run_by_id(record.run_id)
+                    partition_of_run[record.run_id] = (
+                        run.tags.get("dagster/partition") if run else None
+                    )
+                partition = partition_of_run[record.run_id]
+            if partition is not None:
+                # History is newest first: the first record per partition is its latest.
+                latest.setdefault(partition, {}).setdefault(name, record.status)
+    for snapshot_id in reversed(instance.get_dynamic_partitions(snapshot_partitions.name)):
+        statuses = latest.get(snapshot_id, {})
+        if all(statuses.get(name) == Status.SUCCEEDED for name in BLOCKING_CHECKS):
+            return snapshot_id
+    return None
+
+
+@dg.schedule(
+    name="nightly_retrain",
+    job=train_evaluate_promote,
+    cron_schedule=AUTOMATION.nightly_cron,
+    default_status=(
+        dg.DefaultScheduleStatus.RUNNING
+        if AUTOMATION.automation_on
+        else dg.DefaultScheduleStatus.STOPPED
+    ),
+    description="Retrains on the newest snapshot that passed its checks (purpose: scheduled).",
+)
+def nightly_retrain(context: dg.ScheduleEvaluationContext) -> dg.RunRequest | dg.SkipReason:
+    snapshot_id = newest_checked_snapshot(context.instance)
+    if snapshot_id is None:
+        return dg.SkipReason("no snapshot has passed its blocking checks yet")
+    scheduled_for = context.scheduled_execution_time
+    stamp = scheduled_for.strftime("%Y-%m-%dT%H:%M") if scheduled_for else "now"
+    return dg.RunRequest(
+        run_key=f"nightly:{stamp}",
+        partition_key=snapshot_id,
+        run_config={"ops": {"training_attempt": {"config": {"purpose": "scheduled"}}}},
+        tags={"tracks/trigger": "nightly_retrain"},
+    )

@@ -1,0 +1,210 @@
+"""Sensors and the schedule, evaluated with Dagster's build_*_context against real stores."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from assets.data import data_snapshot
+from pipeline.data.landing import Drift, write_digits_landing
+from pipeline.data.snapshot import snapshot_id_for
+from pipeline.definitions import _resources
+from pipeline.ledger import AttemptStart, Ledger
+from pipeline.retry import RetryPolicy, decide, policy_for_run, record_decision
+from pipeline.settings import TracksSettings
+from pipeline.states import RunStatus, TerminationReason
+from resources import LedgerResource, StorageResource
+from sensors.resume import resume_after_preemption
+from sensors.schedules import newest_checked_snapshot, nightly_retrain
+from sensors.snapshots import new_snapshot
+
+
+@pytest.fixture
+def settings(tracks_home: Path) -> TracksSettings:
+    s = TracksSettings.from_env()
+    s.ensure_dirs()
+    return s
+
+
+def _storage(settings: TracksSettings) -> StorageResource:
+    return _resources(settings)["storage"]  # type: ignore[return-value]
+
+
+def _age(path: Path, seconds: float = 60) -> None:
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+
+
+def test_new_snapshot_registers_partition_and_requests_one_run(settings: TracksSettings) -> None:
+    storage = _storage(settings)
+    with dg.instance_for_test() as instance:
+        empty = new_snapshot(
+            dg.build_sensor_context(instance=instance, resources={"storage": storage})
+        )
+        assert isinstance(empty, dg.SkipReason) and "no landing files" in empty.skip_message
+
+        _age(write_digits_landing(settings.landing_root))
+        snapshot_id = snapshot_id_for(settings.landing_root)
+        context = dg.build_sensor_context(instance=instance, resources={"storage": storage})
+        result = new_snapshot(context)
+        assert isinstance(result, dg.SensorResult)
+        [request] = result.run_requests
+        assert request.partition_key == snapshot_id and request.run_key == snapshot_id
+        [add] = result.dynamic_partitions_requests
+        assert list(add.partition_keys) == [snapshot_id]
+
+        # Same files on the next tick: nothing to do.
+        again = new_snapshot(
+            dg.build_sensor_context(
+                instance=instance, cursor=result.cursor, resources={"storage": storage}
+            )
+        )
+        assert isinstance(again, dg.SkipReason)
+
+
+def test_new_snapshot_waits_for_landing_files_to_settle(settings: TracksSettings) -> None:
+    write_digits_landing(settings.landing_root)  # mtime is now
+    with dg.instance_for_test() as instance:
+        result = new_snapshot(
+            dg.build_sensor_context(instance=instance, resources={"storage": _storage(settings)})
+        )
+    assert isinstance(result, dg.SkipReason) and "settle" in result.skip_message
+
+
+def _ended_attempt(
+    ledger: Ledger,
+    reason: TerminationReason,
+    *,
+    policy: RetryPolicy | None = None,
+    run_id: str = "r1",
+) -> None:
+    ledger.create_run(
+        run_id=run_id, model_family="digits-cnn", owner="t", purpose="baseline",
+        config_sha256="c" * 64, snapshot_id="digits-00000000000000aa",
+        retry_policy=(policy or RetryPolicy()).to_json(),
+    )  # fmt: skip
+    ledger.begin_attempt(
+        run_id,
+        AttemptStart(
+            config_snapshot={"max_steps": 10}, config_sha256="c" * 64,
+            data_manifest_sha256="d" * 64, container_digest="env", placement={},
+        ),
+    )  # fmt: skip
+    ended = ledger.end_attempt(run_id, 1, termination_reason=reason, termination_detail="test")
+    run = ledger.get_run(run_id)
+    decision = decide(policy_for_run(run), ledger.attempts(run_id), ended)
+    record_decision(ledger, ended, decision)
+    if not decision.continues:
+        ledger.set_run_status(run_id, RunStatus.FAILED)
+
+
+def _resume_tick(ledger: Ledger) -> dg.SensorResult | dg.SkipReason:
+    with dg.instance_for_test() as instance:
+        context = dg.build_sensor_context(
+            instance=instance, resources={"ledger": LedgerResource(url=ledger.url)}
+        )
+        return resume_after_preemption(context)
+
+
+def test_preempted_attempt_is_resumed_once_with_the_same_run(tmp_path: Path) -> None:
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    _ended_attempt(ledger, TerminationReason.PREEMPTED)
+    result = _resume_tick(ledger)
+    assert isinstance(result, dg.SensorResult)
+    [request] = result.run_requests
+    assert request.run_key == "r1:attempt-2"
+    assert request.partition_key == "digits-00000000000000aa"
+    assert request.run_config["ops"]["training_attempt"]["config"] == {"run_id": "r1"}
+    assert request.tags["tracks/decision"] == "resume"
+    # The run key is stable across ticks: Dagster launches it once.
+    [again] = _resume_tick(ledger).run_requests  # type: ignore[union-attr]
+    assert again.run_key == request.run_key
+
+
+def test_no_resume_when_the_budget_is_zero_and_the_attempt_says_why(tmp_path: Path) -> None:
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    policy = RetryPolicy.from_json({"preempted": {"max_attempts": 0}})
+    _ended_attempt(ledger, TerminationReason.PREEMPTED, policy=policy)
+    assert isinstance(_resume_tick(ledger), dg.SkipReason)
+    attempt = ledger.get_attempt("r1", 1)
+    assert attempt.retry_decision["action"] == "stop"
+    assert "budget" in attempt.retry_decision["reason"]
+    assert ledger.get_run("r1").status == RunStatus.FAILED
+
+
+@pytest.mark.parametrize(
+    "reason",
+    [TerminationReason.BAD_INPUT, TerminationReason.USER_CODE_ERROR, TerminationReason.SUCCEEDED],
+)
+def test_stopping_reasons_are_never_resumed(tmp_path: Path, reason: TerminationReason) -> None:
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    _ended_attempt(ledger, reason)
+    assert isinstance(_resume_tick(ledger), dg.SkipReason)
+
+
+def test_silent_attempt_is_closed_as_preempted_and_resumed(tmp_path: Path) -> None:
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    ledger.create_run(
+        run_id="r1", model_family="digits-cnn", owner="t", purpose="baseline",
+        config_sha256="c" * 64, snapshot_id="digits-00000000000000aa",
+    )  # fmt: skip
+    ledger.begin_attempt(
+        "r1",
+        AttemptStart(
+            config_snapshot={}, config_sha256="c" * 64, data_manifest_sha256="d" * 64,
+            container_digest="env", placement={},
+        ),
+    )  # fmt: skip
+    # Its heartbeat is an hour old: the node is gone.
+    import sqlalchemy as sa
+
+    from pipeline.ledger.schema import training_attempts
+
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            sa.update(training_attempts).values(heartbeat_at=datetime.now(UTC) - timedelta(hours=1))
+        )
+    result = _resume_tick(ledger)
+    attempt = ledger.get_attempt("r1", 1)
+    assert attempt.termination_reason == "preempted"
+    assert "heartbeat" in attempt.termination_detail
+    assert isinstance(result, dg.SensorResult)
+    assert [r.run_key for r in result.run_requests] == ["r1:attempt-2"]
+
+
+def test_nightly_retrain_picks_the_newest_snapshot_that_passed_its_checks(
+    settings: TracksSettings,
+) -> None:
+    resources = _resources(settings)
+    good_dir, bad_dir = settings.home / "good", settings.home / "bad"
+    write_digits_landing(good_dir)
+    write_digits_landing(bad_dir, drift=Drift.LABEL_OUT_OF_RANGE)
+    good, bad = snapshot_id_for(good_dir), snapshot_id_for(bad_dir)
+    with dg.instance_for_test() as instance:
+        context = dg.build_schedule_context(instance=instance)
+        assert isinstance(nightly_retrain(context), dg.SkipReason)
+        for snapshot_id, landing in ((good, good_dir), (bad, bad_dir)):  # bad is the newest
+            instance.add_dynamic_partitions("snapshots", [snapshot_id])
+            dg.materialize(
+                [data_snapshot],
+                partition_key=snapshot_id,
+                instance=instance,
+                resources={"storage": resources["storage"]},
+                run_config={"ops": {"data_snapshot": {"config": {"landing_dir": str(landing)}}}},
+                raise_on_error=False,
+            )
+        assert newest_checked_snapshot(instance) == good
+        request = nightly_retrain(
+            dg.build_schedule_context(
+                instance=instance, scheduled_execution_time=datetime(2026, 11, 22, 3, 0, tzinfo=UTC)
+            )
+        )
+    assert isinstance(request, dg.RunRequest)
+    assert request.partition_key == good
+    assert request.run_key == "nightly:2026-11-22T03:00"
+    assert request.run_config["ops"]["training_attempt"]["config"]["purpose"] == "scheduled"
