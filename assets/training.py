@@ -35,7 +35,7 @@ class TrainingConfig(dg.Config):
     dropout: float = 0.0
     max_wall_seconds: float | None = None
     retry_policy: str | None = None
-    """YAML text (or a path to a YAML file) with a ``retry_policy:`` section; defaults otherwise."""
+    """YAML text, or the path of a .yaml file, with the retry policy; the defaults otherwise."""
 
     def train_config_dict(self, snapshot_dir: Path) -> dict[str, Any]:
         return {

@@ -294,7 +294,10 @@ def load_retry_policy(source: str | Path | Mapping[str, Any] | None) -> RetryPol
     name = "retry_policy"
     if source is None:
         return RetryPolicy()
-    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source):
+    # A string naming a .yaml/.yml file is a path; any other string is YAML text.
+    if isinstance(source, Path) or (
+        isinstance(source, str) and source.strip().endswith((".yaml", ".yml"))
+    ):
         path = Path(source)
         name = str(path)
         try:

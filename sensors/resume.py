@@ -22,6 +22,25 @@ CONTINUATION_ASSETS = [
 ]
 
 
+CONTINUATION_TAG = "tracks/continuation"
+MAX_RELAUNCHES = 3
+
+
+def _run_key(instance: dg.DagsterInstance, key: str) -> str | None:
+    """The run key for this continuation, or None when relaunching has been given up.
+
+    A Dagster run that dies before it opens the attempt (its process failed to start, the code
+    location failed to load) leaves the ledger unchanged: the same continuation is still due,
+    under a fresh key, a bounded number of times.
+    """
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={CONTINUATION_TAG: key}))
+    if not runs or any(not r.is_finished for r in runs):
+        return key
+    if len(runs) >= MAX_RELAUNCHES:
+        return None
+    return f"{key}#relaunch-{len(runs)}"
+
+
 @dg.sensor(
     name="resume_after_preemption",
     minimum_interval_seconds=AUTOMATION.resume_interval_seconds,
@@ -49,13 +68,21 @@ def resume_after_preemption(
         if c.not_before > now:
             context.log.info(f"{c.run_key}: backing off until {c.not_before:%H:%M:%S}")
             continue
+        run_key = _run_key(context.instance, c.run_key)
+        if run_key is None:
+            context.log.error(
+                f"{c.run_key}: {MAX_RELAUNCHES} Dagster runs ended before opening the attempt; "
+                "not launching another (see their event logs)"
+            )
+            continue
         requests.append(
             dg.RunRequest(
-                run_key=c.run_key,
+                run_key=run_key,
                 partition_key=c.run.snapshot_id,
                 asset_selection=CONTINUATION_ASSETS,
                 run_config={"ops": {"training_attempt": {"config": {"run_id": c.run.run_id}}}},
                 tags={
+                    CONTINUATION_TAG: c.run_key,
                     "tracks/run_id": c.run.run_id,
                     "tracks/continues_attempt": str(c.ended.attempt_no),
                     "tracks/decision": str(c.decision.action),

@@ -127,3 +127,72 @@ mutation($params: ExecutionParams!) {
   }
 }
 """
+
+
+GRAPH_ASSETS = [
+    "data_snapshot",
+    "training_attempt",
+    "committed_checkpoint",
+    "evaluation",
+    "promoted_model",
+]
+DATA_CHECKS = ["schema_contract", "data_quality", "drift_vs_previous"]
+
+
+def launch_graph(
+    server: DagsterDev,
+    snapshot_id: str,
+    training_config: dict[str, Any] | None = None,
+    *,
+    assets: list[str] | None = None,
+) -> str:
+    """Register the partition and press "Materialize" for the graph, as the UI does."""
+    added = server.graphql(
+        ADD_PARTITION, {"repo": REPOSITORY, "name": "snapshots", "key": snapshot_id}
+    )["addDynamicPartition"]
+    if added["__typename"] not in ("AddDynamicPartitionSuccess", "DuplicateDynamicPartitionError"):
+        raise RuntimeError(f"could not add partition {snapshot_id}: {added}")
+    selected = assets or GRAPH_ASSETS
+    params: dict[str, Any] = {
+        "selector": {
+            **REPOSITORY,
+            "pipelineName": "__ASSET_JOB",
+            "assetSelection": [{"path": [name]} for name in selected],
+            "assetCheckSelection": [
+                {"assetKey": {"path": ["data_snapshot"]}, "name": check} for check in DATA_CHECKS
+            ]
+            if "data_snapshot" in selected
+            else [],
+        },
+        "runConfigData": {"ops": {"training_attempt": {"config": training_config or {}}}},
+        "executionMetadata": {"tags": [{"key": "dagster/partition", "value": snapshot_id}]},
+    }
+    launched = server.graphql(LAUNCH_RUN, {"params": params})["launchPipelineExecution"]
+    if launched["__typename"] != "LaunchRunSuccess":
+        raise RuntimeError(f"launch failed: {launched}")
+    return launched["run"]["runId"]
+
+
+def trainer_pids(run_id: str) -> list[int]:
+    """Live ``python -m pipeline.trainer`` processes of one training run, from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"pipeline.trainer" in argv and run_id.encode() in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")

@@ -1,0 +1,142 @@
+"""Live preemption drill: a real ``dagster dev`` (webserver + daemon) with the sensors on.
+
+The trainer is killed mid-run; the resume sensor continues the run from its last committed
+checkpoint with nobody acting, and the result equals an uninterrupted run bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.checkpoint.layout import MODEL_FILE
+from pipeline.data.landing import write_digits_landing
+from pipeline.data.snapshot import snapshot_id_for
+from pipeline.ledger import AttemptRecord, Ledger
+from tests.dagster_dev import REPO_ROOT, DagsterDev, launch_graph, trainer_pids, wait_for
+
+pytestmark = pytest.mark.slow
+
+# Slow enough to kill mid-run: the trainer pauses after step 250 (a test hook), by which time
+# step 200 is committed. A stop signal ends the pause at once.
+PAUSE = {"TRACKS_FAULT_SLEEP_AFTER_STEP": "8@250"}
+TRAINING = {"max_steps": 400, "checkpoint_every_steps": 100, "keep_last_k": 5}
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DagsterDev, Path, str]]:
+    home = tmp_path_factory.mktemp("drill") / "tracks"
+    (home / "dagster").mkdir(parents=True)
+    (home / "dagster" / "dagster.yaml").write_text(
+        "telemetry:\n  enabled: false\nrun_retries:\n  enabled: false\n"
+    )
+    write_digits_landing(home / "landing")
+    env = {
+        "TRACKS_HOME": str(home),
+        "DAGSTER_HOME": str(home / "dagster"),
+        "TRACKS_AUTOMATION": "off",  # this drill launches its own runs; resume is always on
+        **PAUSE,
+    }
+    server = DagsterDev(env=env, log_path=home / "dagster-dev.log")
+    try:
+        server.wait_until_loaded()
+        yield server, home, snapshot_id_for(home / "landing")
+    finally:
+        server.stop()
+
+
+def _ledger(home: Path) -> Ledger:
+    return Ledger.open(f"sqlite:///{home / 'ledger.db'}")
+
+
+def _start_and_wait_for_commit(server: DagsterDev, home: Path, snapshot: str, config: dict) -> str:
+    """Launch a run and return its training run id once step 200 is committed."""
+    dagster_run = launch_graph(server, snapshot, {**TRAINING, **config})
+    ledger = _ledger(home)
+
+    def committed_run() -> str | None:
+        for attempt in ledger.list_attempts(limit=20):
+            if attempt.dagster_run_id == dagster_run:
+                latest = ledger.latest_committed_checkpoint(attempt.run_id)
+                if latest is not None and latest.step >= 200 and trainer_pids(attempt.run_id):
+                    return attempt.run_id
+        return None
+
+    return wait_for(committed_run, 180, "a committed checkpoint at step 200")
+
+
+def _uninterrupted_final_weights(attempt: AttemptRecord, tmp_path: Path) -> bytes:
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(attempt.config_snapshot))
+    store = tmp_path / "reference"
+    subprocess.run(
+        [sys.executable, "-m", "pipeline.trainer", "--config", str(config),
+         "--run-id", "reference", "--store", str(store)],
+        cwd=REPO_ROOT, check=True, capture_output=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TRACKS_FAULT")},
+    )  # fmt: skip
+    [final] = sorted((store / "reference").glob("step-0000000400-*"))
+    return (final / MODEL_FILE).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "kill_signal", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"]
+)
+def test_sensor_resumes_a_killed_trainer_to_the_uninterrupted_result(
+    live: tuple[DagsterDev, Path, str], kill_signal: signal.Signals, tmp_path: Path
+) -> None:
+    server, home, snapshot = live
+    run_id = _start_and_wait_for_commit(server, home, snapshot, {"seed": int(kill_signal)})
+    for pid in trainer_pids(run_id):
+        os.kill(pid, kill_signal)
+
+    ledger = _ledger(home)
+    resumed: AttemptRecord = wait_for(
+        lambda: next(
+            (a for a in ledger.attempts(run_id) if a.attempt_no == 2 and a.ended_at), None
+        ),
+        240,
+        "the resumed attempt to finish",
+        interval=1.0,
+    )
+    first, second = ledger.attempts(run_id)
+    assert first.termination_reason == "preempted", first.termination_detail
+    assert first.retry_decision["action"] == "resume"
+    assert second.termination_reason == "succeeded", second.termination_detail
+    assert second.resumed_from_checkpoint is not None
+    resumed_step = ledger.get_checkpoint(second.resumed_from_checkpoint).step
+    # SIGKILL loses the steps after the last commit (200); SIGTERM saves where it stopped (250).
+    assert resumed_step == (200 if kill_signal == signal.SIGKILL else 250)
+    assert server.wait_for_run(resumed.dagster_run_id, timeout=180) == "SUCCESS"
+
+    final = ledger.latest_committed_checkpoint(run_id)
+    assert final is not None and final.step == 400 and final.attempt_no == 2
+    weights = (Path(final.path) / MODEL_FILE).read_bytes()
+    assert weights == _uninterrupted_final_weights(second, tmp_path)
+
+
+def test_zero_budget_means_no_resume_and_the_attempt_says_why(
+    live: tuple[DagsterDev, Path, str],
+) -> None:
+    server, home, snapshot = live
+    run_id = _start_and_wait_for_commit(
+        server, home, snapshot, {"seed": 7, "retry_policy": "preempted: {max_attempts: 0}"}
+    )
+    for pid in trainer_pids(run_id):
+        os.kill(pid, signal.SIGKILL)
+    ledger = _ledger(home)
+    wait_for(lambda: ledger.attempts(run_id)[0].ended_at, 60, "the attempt to be closed")
+    time.sleep(15)  # three resume-sensor ticks
+    [only] = ledger.attempts(run_id)
+    assert only.termination_reason == "preempted"
+    assert only.retry_decision["action"] == "stop"
+    assert "budget" in only.retry_decision["reason"]
+    assert ledger.get_run(run_id).status == "failed"
