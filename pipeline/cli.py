@@ -148,6 +148,33 @@ def demo(fresh_data: bool) -> None:
     click.echo(explain(_ledger(settings), promotion["run_id"].value))
 
 
+@main.command()
+@click.option("--max-steps", default=120, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--max-minutes", default=5.0, show_default=True, type=click.FloatRange(min=0, min_open=True)
+)
+def canary(max_steps: int, max_minutes: float) -> None:
+    """The CI canary: real data and config under strict limits; non-zero exit on failure.
+
+    Fails unless the loss falls, a checkpoint is committed and restores in a new process, and
+    evaluation has complete provenance, all within --max-minutes. Never promotes.
+    """
+    import dagster as dg
+
+    settings = _settings()
+    _write_instance_yaml(_dagster_home(settings), postgres=False)
+
+    from pipeline.definitions import defs
+    from sensors.canary import run_canary
+
+    with dg.DagsterInstance.get() as dagster_instance:
+        verdict = run_canary(defs, dagster_instance, max_steps=max_steps, max_minutes=max_minutes)
+    for line in verdict.lines():
+        click.echo(line)
+    if not verdict.passed:
+        raise click.ClickException(verdict.summary())
+
+
 @main.command("explain")
 @click.argument("target")
 @click.option(
