@@ -4,6 +4,7 @@ import dagster as dg
 
 from assets.partitions import snapshot_partitions
 from pipeline.settings import AutomationSettings
+from sensors.canary import canary_job
 from sensors.jobs import train_evaluate_promote
 
 AUTOMATION = AutomationSettings.from_env()
@@ -23,16 +24,16 @@ def newest_checked_snapshot(instance: dg.DagsterInstance) -> str | None:
         for record in instance.event_log_storage.get_asset_check_execution_history(key, limit=500):
             if record.status == Status.PLANNED:
                 continue
-            # Checks declared with check_specs carry no partition on their record; the run's
+            # Checks declared with check_specs carry no partition on their record: the run's
             # partition tag says which snapshot was checked.
-            partition = record.partition
-            if partition is None:
-                if record.run_id not in partition_of_run:
-                    run = instance.get_run_by_id(record.run_id)
-                    partition_of_run[record.run_id] = (
-                        run.tags.get("dagster/partition") if run else None
-                    )
-                partition = partition_of_run[record.run_id]
+            if record.run_id not in partition_of_run:
+                run = instance.get_run_by_id(record.run_id)
+                # Canary snapshots exist to test the pipeline, never to retrain on.
+                usable = run is not None and run.job_name != canary_job.name
+                partition_of_run[record.run_id] = (
+                    (record.partition or run.tags.get("dagster/partition")) if usable else None
+                )
+            partition = partition_of_run[record.run_id]
             if partition is not None:
                 # History is newest first: the first record per partition is its latest.
                 latest.setdefault(partition, {}).setdefault(name, record.status)

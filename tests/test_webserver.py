@@ -38,7 +38,11 @@ def test_materialize_button_runs_the_whole_graph_in_dagster_dev(tracks_home: Pat
     snapshot = snapshot_id_for(tracks_home / "landing")
     (tracks_home / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     server = DagsterDev(
-        env={"TRACKS_HOME": str(tracks_home), "DAGSTER_HOME": str(tracks_home / "dagster")},
+        env={
+            "TRACKS_HOME": str(tracks_home),
+            "DAGSTER_HOME": str(tracks_home / "dagster"),
+            "TRACKS_AUTOMATION": "off",  # this test presses the button itself
+        },
         log_path=tracks_home / "dagster-dev.log",
     )
     try:
