@@ -40,6 +40,7 @@ from pipeline.states import (
 )
 
 T = TypeVar("T")
+R = TypeVar("R", RunRecord, AttemptRecord, CheckpointRecord, EvaluationRecord, PromotionRecord)
 
 _RETRIES = 5
 _MIGRATIONS = Path(__file__).with_name("migrations")
@@ -177,6 +178,11 @@ class Ledger:
                 delay = min(delay * 2, 5.0)
         raise AssertionError("unreachable")
 
+    def _records(self, query: sa.Select[Any], record: type[R]) -> list[R]:
+        """Every row ``query`` returns, as ``record``s."""
+        rows = self._tx(lambda conn: conn.execute(query).all())
+        return [record.from_row(r) for r in rows]
+
     # -- runs -------------------------------------------------------------------------------
 
     def create_run(
@@ -234,8 +240,7 @@ class Ledger:
             query = query.where(t.c.model_family == model_family)
         if status is not None:
             query = query.where(t.c.status == str(status))
-        rows = self._tx(lambda conn: conn.execute(query).all())
-        return [RunRecord.from_row(r) for r in rows]
+        return self._records(query, RunRecord)
 
     def set_run_retry_policy(self, run_id: str, policy: dict[str, Any]) -> None:
         """Store the run's resolved retry policy (``RetryPolicy.to_json()``)."""
@@ -320,22 +325,18 @@ class Ledger:
 
     def attempts(self, run_id: str) -> list[AttemptRecord]:
         t = schema.training_attempts
-        rows = self._tx(
-            lambda conn: conn.execute(
-                sa.select(t).where(t.c.run_id == run_id).order_by(t.c.attempt_no)
-            ).all()
+        return self._records(
+            sa.select(t).where(t.c.run_id == run_id).order_by(t.c.attempt_no),
+            AttemptRecord,
         )
-        return [AttemptRecord.from_row(r) for r in rows]
 
     def attempts_for_dagster_run(self, dagster_run_id: str) -> list[AttemptRecord]:
         """Attempts one Dagster run started, oldest first."""
         t = schema.training_attempts
-        rows = self._tx(
-            lambda conn: conn.execute(
-                sa.select(t).where(t.c.dagster_run_id == dagster_run_id).order_by(t.c.started_at)
-            ).all()
+        return self._records(
+            sa.select(t).where(t.c.dagster_run_id == dagster_run_id).order_by(t.c.started_at),
+            AttemptRecord,
         )
-        return [AttemptRecord.from_row(r) for r in rows]
 
     def latest_attempt(self, run_id: str) -> AttemptRecord | None:
         found = self.attempts(run_id)
@@ -368,8 +369,7 @@ class Ledger:
             query = query.where(t.c.started_at >= since)
         if run_id is not None:
             query = query.where(t.c.run_id == run_id)
-        rows = self._tx(lambda conn: conn.execute(query).all())
-        return [AttemptRecord.from_row(r) for r in rows]
+        return self._records(query, AttemptRecord)
 
     def cost_by_reason(
         self, model_family: str, days: float, *, now: datetime | None = None
@@ -401,8 +401,7 @@ class Ledger:
             .where(sa.text("training_attempts.status = 'running'"), t.c.heartbeat_at < cutoff)
             .order_by(t.c.heartbeat_at)
         )
-        rows = self._tx(lambda conn: conn.execute(query).all())
-        return [AttemptRecord.from_row(r) for r in rows]
+        return self._records(query, AttemptRecord)
 
     def heartbeat(self, run_id: str, attempt_no: int, *, step: int | None = None) -> None:
         t = schema.training_attempts
@@ -601,8 +600,7 @@ class Ledger:
         query = sa.select(t).where(t.c.run_id == run_id).order_by(t.c.step, t.c.attempt_no)
         if states is not None:
             query = query.where(t.c.state.in_([str(s) for s in states]))
-        rows = self._tx(lambda conn: conn.execute(query).all())
-        return [CheckpointRecord.from_row(r) for r in rows]
+        return self._records(query, CheckpointRecord)
 
     def latest_committed_checkpoint(self, run_id: str) -> CheckpointRecord | None:
         committed = self.checkpoints(run_id, [CheckpointState.COMMITTED])
@@ -629,23 +627,19 @@ class Ledger:
 
     def evaluations_for_checkpoint(self, manifest_sha256: str) -> list[EvaluationRecord]:
         t = schema.evaluations
-        rows = self._tx(
-            lambda conn: conn.execute(
-                sa.select(t)
-                .where(t.c.checkpoint_manifest_sha256 == manifest_sha256)
-                .order_by(t.c.started_at)
-            ).all()
+        return self._records(
+            sa.select(t)
+            .where(t.c.checkpoint_manifest_sha256 == manifest_sha256)
+            .order_by(t.c.started_at),
+            EvaluationRecord,
         )
-        return [EvaluationRecord.from_row(r) for r in rows]
 
     def evaluations_for_run(self, run_id: str) -> list[EvaluationRecord]:
         t = schema.evaluations
-        rows = self._tx(
-            lambda conn: conn.execute(
-                sa.select(t).where(t.c.run_id == run_id).order_by(t.c.started_at)
-            ).all()
+        return self._records(
+            sa.select(t).where(t.c.run_id == run_id).order_by(t.c.started_at),
+            EvaluationRecord,
         )
-        return [EvaluationRecord.from_row(r) for r in rows]
 
     def record_promotion(self, record: PromotionRecord) -> PromotionRecord:
         values = _record_values(record, schema.promotions)
@@ -668,8 +662,7 @@ class Ledger:
             query = query.where(t.c.run_id == run_id)
         if decision is not None:
             query = query.where(t.c.decision == str(decision))
-        rows = self._tx(lambda conn: conn.execute(query).all())
-        return [PromotionRecord.from_row(r) for r in rows]
+        return self._records(query, PromotionRecord)
 
     def current_champion(self, model_name: str) -> PromotionRecord | None:
         promoted = self.promotions(model_name=model_name, decision=PromotionDecision.PROMOTED)
