@@ -202,8 +202,14 @@ def test_checkpoint_is_safetensors_and_json_and_evaluators_can_rebuild_the_model
 def test_committed_is_written_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[str] = []
     durable, atomic = checkpoint_writer.write_file_durably, checkpoint_writer.replace_atomically
+    chunks = checkpoint_writer._write_chunks_durably
     monkeypatch.setattr(
         checkpoint_writer, "write_file_durably", lambda p, d: (order.append(p.name), durable(p, d))
+    )
+    monkeypatch.setattr(
+        checkpoint_writer,
+        "_write_chunks_durably",
+        lambda p, c, **kw: (order.append(p.name), chunks(p, c, **kw))[1],
     )
     monkeypatch.setattr(
         checkpoint_writer, "replace_atomically", lambda p, d: (order.append(p.name), atomic(p, d))

@@ -107,3 +107,12 @@ def test_config_is_frozen() -> None:
     config = TrainConfig.from_dict(MINIMAL)
     with pytest.raises(AttributeError):
         config.seed = 1  # type: ignore[misc]
+
+
+def test_async_save_is_on_by_default_and_must_be_a_boolean(tmp_path: Path) -> None:
+    assert TrainConfig.from_dict(MINIMAL).async_save is True
+    assert TrainConfig.from_dict({**MINIMAL, "async_save": False}).async_save is False
+    with pytest.raises(ConfigError, match="async_save: must be true or false, got 'yes'"):
+        TrainConfig.from_dict({**MINIMAL, "async_save": "yes"})
+    with pytest.raises(ConfigError, match="async_save: must be true or false, got 1"):
+        TrainConfig.from_dict({**MINIMAL, "async_save": 1})

@@ -7,6 +7,8 @@ model.safetensors.
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
 import os
 import shutil
@@ -14,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,6 +225,8 @@ def test_resume_after_sigkill_mid_run_is_bit_exact(
     store = tmp_path / "store"
     first = Trainer(config_path, store, "kill", env={"TRACKS_FAULT_SLEEP_AFTER_STEP": "60@25"})
     first.wait_for_step(25)
+    # Saves are async: step 20's may still be in flight when step 25 is logged.
+    first.wait_until(lambda: (store / "kill" / "step-0000000020-a01" / COMMITTED_FILE).is_file())
     first.process.send_signal(signal.SIGKILL)
     killed = first.wait()
     assert killed.returncode == -signal.SIGKILL
@@ -388,3 +392,162 @@ def test_config_with_unknown_key_exits_config_error(snapshot_dir: Path, tmp_path
     words = last_words(tmp_path / "store", "cfg", 1)
     assert words["exception_type"] == "ConfigError"
     assert str(config) in words["detail"] and "learning_rat" in words["detail"]
+
+
+# -- storage faults -------------------------------------------------------------------------------
+
+
+def _assert_storage_fault_receipt(store: Path, run_id: str, result: Finished, step: int) -> None:
+    """Exit INFRA_TRANSIENT; last words name the file and ENOSPC; the previous checkpoint holds."""
+    assert result.returncode == exit_codes.INFRA_TRANSIENT, result.stderr
+    words = last_words(store, run_id, 1)
+    assert words["reason"] == TerminationReason.INFRA_TRANSIENT
+    assert words["errno"] == errno.ENOSPC and words["exception_type"] == "OSError"
+    half_written = store / run_id / f"step-{step:010d}-a01"
+    assert str(half_written) in words["detail"] and "No space left on device" in words["detail"]
+    assert f"checkpoint of step {step}" in words["detail"]
+    assert not half_written.exists(), "the half-written directory is removed, never committed"
+    previous = step - CONFIG["checkpoint_every_steps"]
+    info = verify_checkpoint(store / run_id / f"step-{previous:010d}-a01")
+    assert words["last_checkpoint"] == str(info.path.resolve())
+    assert [c["step"] for c in result.committed()] == list(range(10, step, 10))
+
+
+def test_enospc_during_a_background_write_keeps_previous_checkpoint_and_ends_infra_transient(
+    reference: Reference, config_path: Path, tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    result = run_trainer(config_path, store, "enospc", env={"TRACKS_FAULT_ENOSPC_AT_STEP": "30"})
+    _assert_storage_fault_receipt(store.resolve(), "enospc", result, step=30)
+    assert "optimizer.safetensors" in last_words(store, "enospc", 1)["detail"]
+    # The next attempt resumes from step 20 as if nothing had happened.
+    resumed = run_trainer(config_path, store, "enospc")
+    assert resumed.returncode == 0, resumed.stderr
+    assert min(resumed.losses()) == 21
+    assert_bit_exact(reference, store, "enospc", result, resumed)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """Mounts a tmpfs of a given size (needs root, or CAP_SYS_ADMIN); skips where not allowed."""
+    mounted: list[Path] = []
+
+    def mount(size_bytes: int) -> Path:
+        target = tmp_path / f"tmpfs-{len(mounted)}"
+        target.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(target)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if done.returncode != 0:
+            pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip()}")
+        mounted.append(target)
+        return target
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a real small filesystem needs root to mount a tmpfs")
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def test_enospc_on_a_full_filesystem_keeps_previous_checkpoint_and_ends_infra_transient(
+    reference: Reference, config_path: Path, small_filesystem: Callable[[int], Path]
+) -> None:
+    # Room for two checkpoints and a half (tmpfs counts whole pages per file): the third fills it.
+    page = 4096
+    final = final_dir(reference.store, reference.run_id)
+    files = [p.stat().st_size for p in final.iterdir()]
+    checkpoint_pages = sum(-(-size // page) for size in files)
+    store = small_filesystem(page * (2 * checkpoint_pages + checkpoint_pages // 2 + 2))
+    result = run_trainer(config_path, store, "full")
+    _assert_storage_fault_receipt(store.resolve(), "full", result, step=30)
+
+
+# -- two attempts at once -------------------------------------------------------------------------
+
+
+def _assert_single_lineage(
+    ledger: Ledger, run_id: str, stale_attempt: int, newer_attempt: int
+) -> None:
+    """Ever-committed checkpoints form one chain; none of the stale attempt's after the takeover."""
+    rows = [c for c in ledger.checkpoints(run_id) if c.committed_at is not None]
+    assert rows, "nothing was committed"
+    steps = [c.step for c in rows]
+    assert steps == sorted(set(steps)), f"two checkpoints at one step: {steps}"
+    assert rows[0].parent_path is None
+    for parent, child in itertools.pairwise(rows):
+        assert child.parent_path == parent.path, f"{child.path} branches off {child.parent_path}"
+    taken_over = ledger.get_attempt(run_id, newer_attempt).started_at
+    stale = [c for c in rows if c.attempt_no == stale_attempt and c.committed_at > taken_over]
+    assert stale == [], "the stale attempt committed after the newer one took the token"
+
+
+def test_stale_attempt_paused_mid_write_is_refused_and_the_run_keeps_one_lineage(
+    reference: Reference, config_path: Path, tmp_path: Path
+) -> None:
+    store, url = tmp_path / "store", f"sqlite:///{tmp_path / 'ledger.db'}"
+    writing = store / "two" / "step-0000000020-a01"
+    stale = Trainer(config_path, store, "two", "--ledger-url", url,
+                    env={"TRACKS_FAULT_SLEEP_BEFORE_COMMIT": "1@20"})  # fmt: skip
+    stale.wait_until(lambda: (writing / MANIFEST_FILE).is_file())
+    # A zombie: paused (GC, network partition) between its files and its commit.
+    stale.process.send_signal(signal.SIGSTOP)
+    try:
+        newer = Trainer(config_path, store, "two", "--ledger-url", url)
+        newer.wait_until(lambda: any(e["event"] == "attempt_started" for e in newer.events()))
+    finally:
+        stale.process.send_signal(signal.SIGCONT)
+    stale_result, newer_result = stale.wait(), newer.wait()
+
+    assert stale_result.returncode == exit_codes.FENCED, stale_result.stderr
+    assert last_words(store, "two", 1)["exception_type"] == "StaleFencingTokenError"
+    assert not (writing / COMMITTED_FILE).exists()
+    assert [c["step"] for c in stale_result.committed()] == [10]
+    assert newer_result.returncode == 0, newer_result.stderr
+    started = next(e for e in newer_result.events if e["event"] == "attempt_started")
+    assert started["attempt_no"] == 2 and started["resumed_from"].endswith("step-0000000010-a01")
+    ledger = Ledger(url)
+    _assert_single_lineage(ledger, "two", stale_attempt=1, newer_attempt=2)
+    assert ledger.get_attempt("two", 1).termination_reason == TerminationReason.CANCELLED
+    # The newer attempt continued the stale one's step-10 checkpoint exactly.
+    assert_bit_exact(reference, store, "two", stale_result, newer_result)
+
+
+def test_two_attempts_started_together_one_is_fenced_and_the_run_keeps_one_lineage(
+    reference: Reference, config_path: Path, tmp_path: Path
+) -> None:
+    store, url = tmp_path / "store", f"sqlite:///{tmp_path / 'ledger.db'}"
+    Ledger.open(url)  # migrated once, so neither process races the other to create the schema
+    slow = {"TRACKS_FAULT_SLEEP_AFTER_STEP": "2@5"}  # both are alive while the other begins
+    first = Trainer(config_path, store, "pair", "--ledger-url", url, env=slow)
+    second = Trainer(config_path, store, "pair", "--ledger-url", url, env=slow)
+    results = [first.wait(), second.wait()]
+    codes = sorted(r.returncode for r in results)
+    assert codes == [exit_codes.SUCCEEDED, exit_codes.FENCED], [r.stderr for r in results]
+    winner = next(r for r in results if r.returncode == exit_codes.SUCCEEDED)
+    loser = next(r for r in results if r.returncode == exit_codes.FENCED)
+    loser_attempt = next(e for e in loser.events if e["event"] == "attempt_started")["attempt_no"]
+    winner_attempt = next(e for e in winner.events if e["event"] == "attempt_started")["attempt_no"]
+    assert loser_attempt < winner_attempt  # the attempt that began last holds the token
+    ledger = Ledger(url)
+    _assert_single_lineage(
+        ledger, "pair", stale_attempt=loser_attempt, newer_attempt=winner_attempt
+    )
+    assert_bit_exact(reference, store, "pair", winner)
+
+
+# -- synchronous saving ---------------------------------------------------------------------------
+
+
+def test_synchronous_saving_writes_the_same_checkpoints_bit_for_bit(
+    reference: Reference, snapshot_dir: Path, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path / "cfg", snapshot_dir, async_save=False)
+    result = run_trainer(config, tmp_path / "store", "sync")
+    assert result.returncode == 0, result.stderr
+    assert [c["step"] for c in result.committed()] == [10, 20, 30, 40, 50, 60]
+    assert result.losses() == reference.result.losses()
+    assert (
+        final_dir(tmp_path / "store", "sync") / MODEL_FILE
+    ).read_bytes() == reference.final_model

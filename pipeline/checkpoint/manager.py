@@ -1,13 +1,24 @@
-"""One owner for every checkpoint decision: when to save, what to resume from, what to keep."""
+"""One owner for every checkpoint decision: when to save, what to resume from, what to keep.
+
+Saving is either synchronous (:meth:`CheckpointManager.save`) or asynchronous
+(:meth:`CheckpointManager.save_async`): the training thread stages the state into reused host
+buffers, and one background writer hashes, writes and commits it while training goes on. At
+most one save is in flight; the next save (async or not) waits for it first, because staging
+reuses its buffers. A writer's error is raised on the training thread by the next ``poll``,
+``save``, ``save_async`` or ``wait``, so it is never lost.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import shutil
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +38,12 @@ from pipeline.checkpoint.layout import (
     PROBE_FILE,
     checkpoint_dir_name,
     fsync_dir,
+    parse_checkpoint_dir_name,
 )
 from pipeline.checkpoint.state import (
+    ProbeSkeleton,
     StagedCheckpoint,
+    StagingBuffers,
     TrainingState,
     probe_logits,
     restore_training_state,
@@ -54,6 +68,11 @@ log = logging.getLogger(__name__)
 # drill can kill the process, or fence the attempt, in the middle of a checkpoint write.
 FAULT_SLEEP_BEFORE_COMMIT = "TRACKS_FAULT_SLEEP_BEFORE_COMMIT"
 
+# The background writer (and the hashing threads it starts, which inherit it) runs at this
+# nice value, so the scheduler gives the training thread a core of its own. Mild on purpose:
+# a starved writer would stall the next save, and an unprivileged thread cannot be un-niced.
+WRITER_NICE = 5
+
 # GPU kernels are not bit-reproducible across processes; CPU ones are (single thread).
 _PROBE_RTOL, _PROBE_ATOL = 1e-4, 1e-5
 
@@ -67,8 +86,12 @@ class CheckpointConfig:
     keep_best_k: int = 0
     best_metric: str | None = None
     best_mode: Literal["min", "max"] = "min"
+    # Threads hashing large files while the writer writes them (model and optimizer apart).
+    hash_workers: int = 1
 
     def __post_init__(self) -> None:
+        if self.hash_workers < 0:
+            raise ValueError(f"hash_workers must be >= 0, got {self.hash_workers}")
         if self.interval_steps < 1:
             raise ValueError(f"interval_steps must be >= 1, got {self.interval_steps}")
         if self.keep_last_k < 1:
@@ -97,15 +120,25 @@ class CheckpointManager:
         run_id: str,
         ledger: Ledger | None = None,
         on_event: Callable[[str, dict], None] | None = None,
+        on_commit: Callable[[CheckpointInfo], None] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir).resolve()
         self.config = config
         self.run_id = run_id
         self.ledger = ledger
         self._on_event = on_event or (lambda name, fields: None)
+        self._on_commit = on_commit or (lambda info: None)
         self.attempt_no: int | None = None
         self.fencing_token: int | None = None
         self.last_committed: CheckpointInfo | None = None
+        self._buffers = StagingBuffers()
+        # None: not tried yet; False: this model's probe is computed at staging.
+        self._skeleton: ProbeSkeleton | bool | None = None
+        self._writer: threading.Thread | None = None
+        self._writer_error: BaseException | None = None
+        self._thread = threading.local()
+        # What the writer thread did, told on the training thread (reporters are not shared).
+        self._pending: deque[Callable[[], None]] = deque()
 
     def bind_attempt(self, attempt_no: int, fencing_token: int | None) -> None:
         """Name the attempt whose saves this manager makes (and the token that fences them)."""
@@ -120,12 +153,100 @@ class CheckpointManager:
     def save(
         self, state: TrainingState, *, metrics: dict[str, float] | None = None
     ) -> CheckpointInfo:
-        """Stage ``state`` to host memory, write it and commit it (synchronously)."""
+        """Stage ``state``, write it and commit it before returning (after any save in flight).
+
+        For the final and the preemption checkpoint: when this returns, it is committed.
+        """
+        self.wait()
+        info = self.write_and_commit(self._stage(state, metrics))
+        self._deliver()
+        return info
+
+    def save_async(self, state: TrainingState, *, metrics: dict[str, float] | None = None) -> None:
+        """Stage ``state`` into host buffers, then hash, write and commit it in the background.
+
+        Returns once staging is done; from then on the training loop may change ``state``
+        freely, since the writer reads only the staged copy. Waits first for the previous
+        save (raising its error, if it failed): its buffers are about to be reused.
+        """
+        self.wait()
+        staged = self._stage(state, metrics, defer_probe=True)
+        self._writer_error = None
+        self._writer = threading.Thread(
+            target=self._write_in_background,
+            args=(staged,),
+            name=f"checkpoint-writer-{staged.step}",
+            daemon=True,  # never keeps a dying process alive; an unfinished save is uncommitted
+        )
+        self._writer.start()
+
+    @property
+    def save_in_flight(self) -> bool:
+        return self._writer is not None and self._writer.is_alive()
+
+    def poll(self) -> None:
+        """Without blocking: report a finished background save, or raise the error it hit."""
+        if self._writer is not None and not self._writer.is_alive():
+            self.wait()
+        else:
+            self._deliver()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise the error it hit."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        self._deliver()
+        error, self._writer_error = self._writer_error, None
+        if error is not None:
+            raise error
+
+    def _stage(
+        self, state: TrainingState, metrics: dict[str, float] | None, *, defer_probe: bool = False
+    ) -> StagedCheckpoint:
         attempt_no = self._require_attempt()
         # JSON (and PostgreSQL's json type) has no NaN or Infinity: such a metric is left out.
         finite = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(v)}
-        staged = stage_checkpoint(state, run_id=self.run_id, attempt_no=attempt_no, metrics=finite)
-        return self.write_and_commit(staged)
+        staged = stage_checkpoint(
+            state,
+            run_id=self.run_id,
+            attempt_no=attempt_no,
+            metrics=finite,
+            buffers=self._buffers,
+            run_probe=not (defer_probe and isinstance(self._skeleton, ProbeSkeleton)),
+        )
+        if self._skeleton is None and defer_probe:
+            # First async save: the probe is computed here; a skeleton that reproduces it
+            # exactly takes that work off the training thread from the next save on.
+            self._skeleton = ProbeSkeleton.build(state, staged) or False
+        return staged
+
+    def _write_in_background(self, staged: StagedCheckpoint) -> None:
+        self._thread.is_writer = True
+        _lower_priority()
+        try:
+            self.write_and_commit(staged)
+        except BaseException as exc:  # raised on the training thread by poll/wait/save
+            self._writer_error = exc
+
+    def _in_writer(self) -> bool:
+        return getattr(self._thread, "is_writer", False)
+
+    def _event(self, name: str, fields: dict) -> None:
+        if self._in_writer():
+            self._pending.append(lambda: self._on_event(name, fields))
+        else:
+            self._on_event(name, fields)
+
+    def _committed(self, info: CheckpointInfo) -> None:
+        if self._in_writer():
+            self._pending.append(lambda: self._on_commit(info))
+        else:
+            self._on_commit(info)
+
+    def _deliver(self) -> None:
+        while self._pending:
+            self._pending.popleft()()
 
     def write_and_commit(self, staged: StagedCheckpoint) -> CheckpointInfo:
         """Write a staged checkpoint and commit it; touches no live training objects.
@@ -135,6 +256,9 @@ class CheckpointManager:
         ignore, and the error propagates.
         """
         attempt_no = self._require_attempt()
+        if staged.probe_pending:
+            assert isinstance(self._skeleton, ProbeSkeleton)
+            staged = self._skeleton.complete(staged)
         directory = self.run_dir / checkpoint_dir_name(staged.step, attempt_no)
         if is_committed(directory):
             raise CheckpointError(f"checkpoint {directory} is already committed; not overwriting")
@@ -151,23 +275,33 @@ class CheckpointManager:
                 fencing_token=self._token(),
                 parent_path=parent,
             )
-        written = write_checkpoint_files(
-            staged, directory, run_id=self.run_id, attempt_no=attempt_no
-        )
-        _fault_sleep_before_commit(staged.step)
-        if self.ledger is not None:
-            self.ledger.commit_checkpoint(
+        ledger_committed = False
+        try:
+            written = write_checkpoint_files(
+                staged,
+                directory,
                 run_id=self.run_id,
                 attempt_no=attempt_no,
-                path=str(directory),
-                manifest_sha256=written.manifest_sha256,
-                size_bytes=written.size_bytes,
-                metrics=written.metrics,
-                fencing_token=self._token(),
-                step=staged.step,
-                parent_path=parent,
+                hash_workers=self.config.hash_workers,
             )
-        committed = commit_checkpoint_dir(written, fencing_token=self.fencing_token)
+            _fault_sleep_before_commit(staged.step)
+            if self.ledger is not None:
+                self.ledger.commit_checkpoint(
+                    run_id=self.run_id,
+                    attempt_no=attempt_no,
+                    path=str(directory),
+                    manifest_sha256=written.manifest_sha256,
+                    size_bytes=written.size_bytes,
+                    metrics=written.metrics,
+                    fencing_token=self._token(),
+                    step=staged.step,
+                    parent_path=parent,
+                )
+                ledger_committed = True
+            committed = commit_checkpoint_dir(written, fencing_token=self.fencing_token)
+        except BaseException as exc:
+            self._abandon(directory, exc, ledger_committed=ledger_committed)
+            raise
         info = CheckpointInfo(
             path=directory,
             run_id=self.run_id,
@@ -180,12 +314,34 @@ class CheckpointManager:
             metrics=written.metrics,
         )
         self.last_committed = info
+        self._committed(info)
         try:
             self.apply_retention()
         except Exception as exc:  # the commit stands; a missed clean-up is retried next save
             log.warning("retention after %s failed: %s", directory, exc)
-            self._on_event("retention_failed", {"path": str(directory), "error": str(exc)})
+            self._event("retention_failed", {"path": str(directory), "error": str(exc)})
         return info
+
+    def _abandon(self, directory: Path, exc: BaseException, *, ledger_committed: bool) -> None:
+        """A save that failed: its directory never gets COMMITTED.
+
+        After a storage error the directory is removed, to give back the space it took (the
+        last words still have to be written); after a refusal it stays, as evidence of what the
+        fenced attempt had written, until a newer attempt's retention removes it.
+        """
+        detail = f"abandoned, never committed: {type(exc).__name__}: {exc}"[:1000]
+        log.warning("checkpoint %s %s", directory, detail)
+        self._event("checkpoint_abandoned", {"path": str(directory), "detail": detail})
+        if isinstance(exc, OSError) and not is_committed(directory):
+            shutil.rmtree(directory, ignore_errors=True)
+        if self.ledger is None:
+            return
+        # The ledger said committed but COMMITTED never landed: the row must not be lineage.
+        state = CheckpointState.CORRUPT if ledger_committed else CheckpointState.WRITING
+        try:
+            self.ledger.set_checkpoint_state(str(directory), state, detail)
+        except Exception as ledger_exc:  # the original error is the one worth raising
+            log.warning("could not record %s as abandoned: %s", directory, ledger_exc)
 
     # -- resuming -------------------------------------------------------------------------
 
@@ -265,9 +421,42 @@ class CheckpointManager:
                 state.data_manifest_sha256,
             )
 
+    def reconcile_with_ledger(
+        self, state: TrainingState, resumed: CheckpointInfo | None
+    ) -> CheckpointInfo | None:
+        """Once this attempt holds the run's fencing token: make sure no commit was missed.
+
+        An older attempt may have been recorded committed in the ledger just before our token
+        was issued, yet renamed COMMITTED into place only after :meth:`resume` looked. Resume
+        from that checkpoint, or, if its directory never got COMMITTED, mark it corrupt: either
+        way the run keeps a single lineage. Nobody else can commit from here on.
+        """
+        if self.ledger is None:
+            return resumed
+        while True:
+            latest = self.ledger.latest_committed_checkpoint(self.run_id)
+            if latest is None:
+                return resumed
+            if resumed is not None and (latest.step, latest.attempt_no) <= (
+                resumed.step,
+                resumed.attempt_no,
+            ):
+                return resumed
+            path = Path(latest.path)
+            if is_committed(path):
+                self._event("resume_target_changed", {"path": str(path), "step": latest.step})
+                return self.resume(state)
+            self.mark_corrupt(
+                path,
+                CheckpointError(
+                    f"the ledger recorded checkpoint {path} as committed but it has no "
+                    f"{COMMITTED_FILE}: attempt {latest.attempt_no} stopped between the two"
+                ),
+            )
+
     def mark_corrupt(self, directory: Path, exc: Exception) -> None:
         log.warning("skipping checkpoint %s: %s", directory, exc)
-        self._on_event("checkpoint_corrupt", {"path": str(directory), "detail": str(exc)})
+        self._event("checkpoint_corrupt", {"path": str(directory), "detail": str(exc)})
         if self.ledger is not None:
             self.ledger.set_checkpoint_state(str(directory), CheckpointState.CORRUPT, str(exc))
 
@@ -311,10 +500,29 @@ class CheckpointManager:
             fsync_dir(directory)
             shutil.rmtree(directory, ignore_errors=True)
             deleted.append(directory)
-        if deleted:
+        abandoned = self._remove_abandoned(newest_step=_dir_step(committed[0]))
+        if deleted or abandoned:
             fsync_dir(self.run_dir)
-            self._on_event("checkpoints_superseded", {"paths": [str(d) for d in deleted]})
+        if deleted:
+            self._event("checkpoints_superseded", {"paths": [str(d) for d in deleted]})
         return deleted
+
+    def _remove_abandoned(self, *, newest_step: int) -> list[Path]:
+        """Delete what earlier attempts left half-written at or before the newest commit.
+
+        Only older attempts' directories: they are dead (or fenced), and a newer checkpoint
+        exists, so nothing can ever commit or read them.
+        """
+        removed = []
+        for directory in checkpoint_dirs(self.run_dir, committed_only=False):
+            key = parse_checkpoint_dir_name(directory.name)
+            if key is None or is_committed(directory):
+                continue
+            step, attempt_no = key
+            if step <= newest_step and attempt_no < (self.attempt_no or 0):
+                shutil.rmtree(directory, ignore_errors=True)
+                removed.append(directory)
+        return removed
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -369,12 +577,24 @@ def _restore_staged(state: TrainingState, staged: StagedCheckpoint) -> None:
     )
 
 
+def _dir_step(directory: Path) -> int:
+    key = parse_checkpoint_dir_name(directory.name)
+    return key[0] if key else 0
+
+
 def _manifest_metric(directory: Path, metric: str) -> float | None:
     try:
         value = json.loads((directory / MANIFEST_FILE).read_bytes()).get("metrics", {}).get(metric)
     except (OSError, ValueError):
         return None
     return float(value) if isinstance(value, int | float) else None
+
+
+def _lower_priority() -> None:
+    # Linux: PRIO_PROCESS with a thread id renices that thread only. Elsewhere, or where it
+    # is not allowed, the writer runs at normal priority.
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
 
 
 def _fault_sleep_before_commit(step: int) -> None:

@@ -1,8 +1,9 @@
 """What a checkpoint holds: the list of stateful objects, and staging them to host memory.
 
-Staging (clone every tensor to CPU, encode the rest as JSON, run the probe) happens on the
-training thread and is all a save needs from live objects; writing the staged copy touches
-only host memory, so it can move to a background writer without changing this module.
+Staging (copy every tensor to host memory, encode the rest as JSON, run the probe) happens on
+the training thread and is all a save needs from live objects. Writing the staged copy touches
+only host memory, which is why a background writer may do it while training goes on: once
+``stage_checkpoint`` returns, nothing the training loop does can change what gets written.
 """
 
 from __future__ import annotations
@@ -118,21 +119,68 @@ class StagedCheckpoint:
     probe: dict[str, torch.Tensor]
     probe_device: str
     metrics: dict[str, float]
+    # Set when the probe logits are still to be computed from ``model`` (see ProbeSkeleton).
+    probe_pending: bool = False
+
+
+class StagingBuffers:
+    """Host tensors reused from save to save: staging is a ``copy_`` into memory already there.
+
+    Allocating (and first touching) a gigabyte of host memory costs far more than copying into
+    it, so buffers are kept by key and reused while shape and dtype stay the same. Buffers for
+    tensors that live on a GPU are pinned, so the device-to-host copy runs at full speed. The
+    owner must not stage again while a writer still reads the previous staged copy.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s values in this key's host buffer (allocated on first use)."""
+        tensor = tensor.detach()
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            pin = tensor.device.type == "cuda" and torch.cuda.is_available()
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            self._buffers[key] = buffer
+        # Synchronous on purpose: when this returns, the values are in host memory.
+        buffer.copy_(tensor)
+        return buffer
 
 
 def stage_checkpoint(
-    state: TrainingState, *, run_id: str, attempt_no: int, metrics: dict[str, float] | None = None
+    state: TrainingState,
+    *,
+    run_id: str,
+    attempt_no: int,
+    metrics: dict[str, float] | None = None,
+    buffers: StagingBuffers | None = None,
+    run_probe: bool = True,
 ) -> StagedCheckpoint:
-    """Clone the complete training state to CPU and compute the probe outputs."""
-    model_tensors = {k: _to_host(v) for k, v in state.model.state_dict().items()}
+    """Copy the complete training state to host memory and compute the probe outputs.
+
+    With ``buffers``, tensors are copied into those reused host buffers (the staged copy is
+    then only valid until the next staging into the same buffers); without, they are cloned.
+    With ``run_probe=False`` the logits are left for :class:`ProbeSkeleton` to compute from
+    the staged weights (``probe_pending``).
+    """
+
+    def host(key: str, tensor: torch.Tensor) -> torch.Tensor:
+        return buffers.copy(key, tensor) if buffers is not None else _to_host(tensor)
+
+    model_tensors = {k: host(f"model.{k}", v) for k, v in state.model.state_dict().items()}
     components: dict[str, Any] = {}
     training_tensors: dict[str, torch.Tensor] = {}
     for name, part in state.stateful().items():
         encoded, tensors = encode_state(part.state_dict(), name)
         components[name] = encoded
-        training_tensors.update({k: _to_host(v) for k, v in tensors.items()})
+        training_tensors.update({k: host(k, v) for k, v in tensors.items()})
     probe_inputs = _to_host(state.probe_inputs)
-    logits = probe_logits(state.model, probe_inputs)
+    logits = probe_logits(state.model, probe_inputs) if run_probe else torch.empty(0)
     trainer_state = {
         "format_version": STATE_FORMAT_VERSION,
         "run_id": run_id,
@@ -153,6 +201,7 @@ def stage_checkpoint(
         probe={"inputs": probe_inputs, "logits": _to_host(logits)},
         probe_device=str(next(state.model.parameters()).device),
         metrics=dict(metrics or {}),
+        probe_pending=not run_probe,
     )
 
 
@@ -182,6 +231,61 @@ def probe_logits(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
             return model(inputs.to(device))
     finally:
         model.train(was_training)
+
+
+class ProbeSkeleton:
+    """The model's structure without its weights, to run the probe batch on staged weights.
+
+    Computing the probe logits is a forward pass over every weight; on CPU it is a third of
+    the staging stall for a large model. With a skeleton (a deep copy whose parameters and
+    buffers are meta tensors, so it costs no memory) the background writer computes them from
+    the staged copy instead, which is also exactly the copy written. Only used for CPU models
+    where :meth:`build` showed, bit for bit, that it gives the live model's outputs.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+
+    @classmethod
+    def build(cls, state: TrainingState, staged: StagedCheckpoint) -> ProbeSkeleton | None:
+        """A skeleton of ``state.model`` if it reproduces ``staged``'s probe exactly, else None."""
+        import copy
+
+        model = state.model
+        tensors = [*model.parameters(), *model.buffers()]
+        if not tensors or any(t.device.type != "cpu" for t in tensors):
+            return None
+        persistent = set(model.state_dict(keep_vars=True))
+        named = {*dict(model.named_parameters()), *dict(model.named_buffers())}
+        if named != persistent:
+            return None  # non-persistent buffers are not staged: the skeleton could not run
+        try:
+            memo = {id(t): torch.empty_like(t, device="meta") for t in tensors}
+            skeleton = cls(copy.deepcopy(model, memo).eval())
+            logits = skeleton.logits(staged.model, staged.probe["inputs"])
+        except Exception:  # a model deepcopy or functional_call cannot handle: stage as before
+            return None
+        expected = staged.probe["logits"]
+        if logits.shape != expected.shape or not torch.equal(logits, expected):
+            return None
+        return skeleton
+
+    def logits(self, weights: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+        from torch.func import functional_call
+
+        with torch.no_grad():
+            return functional_call(self._module, weights, (inputs,)).detach().contiguous()
+
+    def complete(self, staged: StagedCheckpoint) -> StagedCheckpoint:
+        """``staged`` with its probe logits computed from its own weights."""
+        import dataclasses
+
+        if not staged.probe_pending:
+            return staged
+        logits = self.logits(staged.model, staged.probe["inputs"])
+        return dataclasses.replace(
+            staged, probe={**staged.probe, "logits": logits}, probe_pending=False
+        )
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,23 @@
 """Reading checkpoints: refuse pickle, verify bytes against the manifest, then load.
 
 Loading uses safetensors and json only; verification runs first, so a reader never
-deserializes a byte that COMMITTED and MANIFEST.json do not vouch for.
+deserializes a byte that COMMITTED and MANIFEST.json do not vouch for. ``load_checkpoint``
+reads each file once, into the memory it then parses, hashing it on a second thread as it
+arrives: verification costs no second read, and the bytes parsed are the bytes hashed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import queue
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as safetensors_load
 
 from pipeline.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from pipeline.checkpoint.layout import (
@@ -25,11 +30,14 @@ from pipeline.checkpoint.layout import (
     TRAINER_STATE_FILE,
     parse_checkpoint_dir_name,
 )
+from pipeline.checkpoint.tensorfile import TensorFileError, parse_safetensors
 from pipeline.digests import sha256_bytes, sha256_file
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
 _PICKLE_PROTOCOLS = (2, 3, 4, 5)
 _ZIP_MAGIC = b"PK\x03\x04"
+_READ_SLICE = 32 * 1024 * 1024
+_HASH_IN_THREAD_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,18 @@ def verify_checkpoint(directory: str | Path) -> CheckpointInfo:
     Raises :class:`CorruptCheckpointError` naming the directory, the file and what differs,
     or :class:`UnsafeCheckpointError` when a pickle is present.
     """
+    info, listed = _verify_layout(directory)
+    for name, entry in listed.items():
+        digest = sha256_file(info.path / name)
+        if digest != entry["sha256"]:
+            raise CorruptCheckpointError(
+                info.path, name, f"sha256 is {digest}, MANIFEST.json says {entry['sha256']}"
+            )
+    return info
+
+
+def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, dict[str, Any]]]:
+    """Everything :func:`verify_checkpoint` checks but the files' hashes (sizes included)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CorruptCheckpointError(directory, ".", "directory does not exist")
@@ -197,17 +217,12 @@ def verify_checkpoint(directory: str | Path) -> CheckpointInfo:
             raise CorruptCheckpointError(
                 directory, name, f"size is {size} bytes, MANIFEST.json says {entry['size']}"
             )
-        digest = sha256_file(path)
-        if digest != entry["sha256"]:
-            raise CorruptCheckpointError(
-                directory, name, f"sha256 is {digest}, MANIFEST.json says {entry['sha256']}"
-            )
         size_bytes += size
     expected = set(listed) | {MANIFEST_FILE, COMMITTED_FILE}
     for path in sorted(directory.iterdir()):
         if path.name not in expected:
             raise CorruptCheckpointError(directory, path.name, "is not listed in MANIFEST.json")
-    return CheckpointInfo(
+    info = CheckpointInfo(
         path=directory,
         run_id=committed["run_id"],
         attempt_no=int(committed["attempt_no"]),
@@ -219,46 +234,98 @@ def verify_checkpoint(directory: str | Path) -> CheckpointInfo:
         metrics=dict(manifest.get("metrics") or {}),
         files=tuple(sorted(listed)),
     )
+    return info, listed
 
 
 def load_checkpoint(directory: str | Path) -> CheckpointContents:
     """Verify, then read every file (safetensors and JSON, never pickle).
 
-    The bytes are read once and checked against the manifest again, so a file swapped
-    between verification and loading is still caught.
+    Each data file is read once into memory and hashed as it arrives; only bytes whose
+    sha256 matches MANIFEST.json are parsed, so a file changed at any moment is caught. The
+    tensors returned are views into those buffers (no copy).
     """
-    info = verify_checkpoint(directory)
-    manifest, _ = _read_json(info.path, MANIFEST_FILE)
-    expected = {entry["name"]: entry["sha256"] for entry in manifest["files"]}
-
-    raw: dict[str, bytes] = {}
-    for name in (TRAINER_STATE_FILE, MODEL_FILE, OPTIMIZER_FILE, PROBE_FILE):
-        raw[name] = (info.path / name).read_bytes()
-        if sha256_bytes(raw[name]) != expected[name]:
-            raise CorruptCheckpointError(info.path, name, "changed after verification")
+    info, listed = _verify_layout(directory)
+    buffers = {
+        name: read_verified(info.path, name, entry["size"], entry["sha256"])
+        for name, entry in listed.items()
+        if name in (TRAINER_STATE_FILE, MODEL_FILE, OPTIMIZER_FILE, PROBE_FILE)
+    }
+    for name, entry in listed.items():
+        if name not in buffers and sha256_file(info.path / name) != entry["sha256"]:
+            raise CorruptCheckpointError(info.path, name, "sha256 differs from MANIFEST.json")
     name = TRAINER_STATE_FILE
     try:
-        trainer_state = json.loads(raw[name])
+        trainer_state = json.loads(buffers[name].numpy().tobytes())
         name = MODEL_FILE
-        model = safetensors_load(raw[name])
+        model, _ = parse_safetensors(buffers[name])
         name = OPTIMIZER_FILE
-        training_tensors = safetensors_load(raw[name])
+        training_tensors, _ = parse_safetensors(buffers[name])
         name = PROBE_FILE
-        probe = safetensors_load(raw[name])
-        probe_device = _safetensors_metadata(raw[name]).get("device", "cpu")
-    except Exception as exc:  # bytes that match the manifest but do not parse
+        probe, probe_meta = parse_safetensors(buffers[name])
+    except (TensorFileError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # Bytes that match the manifest but do not parse: written wrong, never to be used.
         raise CorruptCheckpointError(info.path, name, f"does not load: {exc}") from exc
+    if not isinstance(trainer_state, dict):
+        raise CorruptCheckpointError(info.path, TRAINER_STATE_FILE, "is not a JSON object")
     return CheckpointContents(
         info=info,
         model=model,
         training_tensors=training_tensors,
         trainer_state=trainer_state,
         probe=probe,
-        probe_device=probe_device,
+        probe_device=probe_meta.get("device", "cpu"),
     )
 
 
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
-    header_len = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + header_len])
-    return dict(header.get("__metadata__") or {})
+def read_verified(directory: Path, name: str, size: int, sha256: str) -> torch.Tensor:
+    """The bytes of ``directory/name`` as a uint8 tensor, after checking size and sha256.
+
+    One read: large files are hashed on a second thread, slice by slice, right behind the
+    read, so hashing overlaps the disk instead of following it.
+    """
+    path = directory / name
+    buffer = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(buffer.numpy()) if size else memoryview(bytearray())
+    digest = hashlib.sha256()
+    pending: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+    hasher = None
+    if size >= _HASH_IN_THREAD_BYTES:
+
+        def hash_slices() -> None:
+            while (piece := pending.get()) is not None:
+                digest.update(piece)
+
+        hasher = threading.Thread(target=hash_slices, name="checkpoint-verify", daemon=True)
+        hasher.start()
+    offset = 0
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while offset < size:
+                count = handle.readinto(view[offset : offset + _READ_SLICE])
+                if not count:
+                    break
+                if hasher is not None:
+                    pending.put(view[offset : offset + count])
+                else:
+                    digest.update(view[offset : offset + count])
+                offset += count
+            longer = offset == size and handle.read(1) != b""
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(
+            directory, name, "listed in MANIFEST.json but missing"
+        ) from exc
+    finally:
+        if hasher is not None:
+            pending.put(None)
+            hasher.join()
+    if offset != size or longer:
+        raise CorruptCheckpointError(
+            directory, name, f"changed while being read (MANIFEST.json says {size} bytes)"
+        )
+    if digest.hexdigest() != sha256:
+        raise CorruptCheckpointError(
+            directory, name, f"sha256 is {digest.hexdigest()}, MANIFEST.json says {sha256}"
+        )
+    return buffer

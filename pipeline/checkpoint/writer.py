@@ -1,14 +1,23 @@
-"""Hash and write a staged checkpoint, then commit it: files, MANIFEST.json, COMMITTED last."""
+"""Hash and write a staged checkpoint, then commit it: files, MANIFEST.json, COMMITTED last.
+
+Each data file is written straight from the staged tensors (no serialized copy) while another
+thread hashes the same memory, so hashing costs no extra pass over the disk and overlaps the
+write. A storage error names the file, keeps its errno, and leaves the directory uncommitted.
+"""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-from safetensors.torch import save as safetensors_bytes
 
 from pipeline.checkpoint.layout import (
     COMMITTED_FILE,
@@ -23,7 +32,16 @@ from pipeline.checkpoint.layout import (
     write_file_durably,
 )
 from pipeline.checkpoint.state import StagedCheckpoint
+from pipeline.checkpoint.tensorfile import safetensors_chunks
 from pipeline.digests import sha256_bytes
+
+# Test hooks, both "N" or "seconds@N" (N: the checkpoint's step), acting halfway through
+# optimizer.safetensors, so the directory holds a complete file and a half-written one.
+FAULT_ENOSPC_AT_STEP = "TRACKS_FAULT_ENOSPC_AT_STEP"  # raise OSError(ENOSPC) there
+FAULT_SLEEP_DURING_WRITE = "TRACKS_FAULT_SLEEP_DURING_WRITE"  # "seconds@N": pause there
+
+_WRITE_SLICE = 64 * 1024 * 1024  # per write(2): large, but under Linux's 2 GiB limit
+_HASH_IN_THREAD_BYTES = 8 * 1024 * 1024  # below this, a thread costs more than it saves
 
 
 @dataclass(frozen=True)
@@ -39,28 +57,53 @@ class WrittenCheckpoint:
     metrics: dict[str, float]
 
 
-def serialize_staged(staged: StagedCheckpoint) -> dict[str, bytes]:
-    """The bytes of every data file, by name. Deterministic: equal state gives equal bytes."""
+def serialize_staged(staged: StagedCheckpoint) -> dict[str, list[memoryview]]:
+    """Every data file as the buffers it is made of, by name; equal state gives equal bytes.
+
+    The buffers alias the staged tensors: nothing is copied until the bytes reach the disk.
+    """
     trainer_state = json.dumps(staged.trainer_state, sort_keys=True, indent=1).encode()
     return {
-        MODEL_FILE: safetensors_bytes(staged.model, metadata={"format": "pt"}),
-        OPTIMIZER_FILE: safetensors_bytes(staged.training_tensors, metadata={"format": "pt"}),
-        TRAINER_STATE_FILE: trainer_state,
-        PROBE_FILE: safetensors_bytes(
-            staged.probe, metadata={"format": "pt", "device": staged.probe_device}
+        MODEL_FILE: safetensors_chunks(staged.model, {"format": "pt"}),
+        OPTIMIZER_FILE: safetensors_chunks(staged.training_tensors, {"format": "pt"}),
+        TRAINER_STATE_FILE: [memoryview(trainer_state)],
+        PROBE_FILE: safetensors_chunks(
+            staged.probe, {"format": "pt", "device": staged.probe_device}
         ),
     }
 
 
 def write_checkpoint_files(
-    staged: StagedCheckpoint, directory: Path, *, run_id: str, attempt_no: int
+    staged: StagedCheckpoint,
+    directory: Path,
+    *,
+    run_id: str,
+    attempt_no: int,
+    hash_workers: int = 1,
 ) -> WrittenCheckpoint:
-    """Write and fsync every file, then MANIFEST.json (name, size, sha256 of each file)."""
-    directory.mkdir(parents=True, exist_ok=False)
+    """Write and fsync every file, then MANIFEST.json (name, size, sha256 of each file).
+
+    ``hash_workers`` threads hash the large files while this thread writes them. An OSError
+    is re-raised naming the file it happened to, with its errno (ENOSPC stays ENOSPC).
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=False)
+    except OSError as exc:
+        raise _naming(exc, directory, staged.step) from exc
+    contents = serialize_staged(staged)
+    digests = _Hashers(contents, hash_workers)
     files: list[dict[str, Any]] = []
-    for name, data in serialize_staged(staged).items():
-        write_file_durably(directory / name, data)
-        files.append({"name": name, "size": len(data), "sha256": sha256_bytes(data)})
+    try:
+        for name, chunks in contents.items():
+            halfway = _fault_halfway(staged.step) if name == OPTIMIZER_FILE else None
+            size = _write_chunks_durably(directory / name, chunks, halfway=halfway)
+            files.append({"name": name, "size": size})
+    except OSError as exc:
+        raise _naming(exc, exc.filename or directory, staged.step) from exc
+    finally:
+        computed = digests.join()  # never leave a thread reading buffers the caller will reuse
+    for entry in files:
+        entry["sha256"] = computed[entry["name"]]
     manifest = {
         "format": FORMAT,
         "run_id": run_id,
@@ -71,9 +114,12 @@ def write_checkpoint_files(
         "files": files,
     }
     manifest_bytes = json.dumps(manifest, sort_keys=True, indent=1).encode()
-    write_file_durably(directory / MANIFEST_FILE, manifest_bytes)
-    fsync_dir(directory)
-    fsync_dir(directory.parent)
+    try:
+        write_file_durably(directory / MANIFEST_FILE, manifest_bytes)
+        fsync_dir(directory)
+        fsync_dir(directory.parent)
+    except OSError as exc:
+        raise _naming(exc, directory / MANIFEST_FILE, staged.step) from exc
     return WrittenCheckpoint(
         path=directory,
         run_id=run_id,
@@ -95,5 +141,126 @@ def commit_checkpoint_dir(written: WrittenCheckpoint, *, fencing_token: int | No
         "fencing_token": fencing_token,
         "committed_at": datetime.now(UTC).isoformat(),
     }
-    replace_atomically(written.path / COMMITTED_FILE, json.dumps(payload, sort_keys=True).encode())
+    try:
+        replace_atomically(
+            written.path / COMMITTED_FILE, json.dumps(payload, sort_keys=True).encode()
+        )
+    except OSError as exc:
+        raise _naming(exc, written.path / COMMITTED_FILE, written.step) from exc
     return payload
+
+
+def write_chunks(fd: int, chunks: Sequence[memoryview], halfway: Callable[[], None] | None) -> int:
+    """write(2) every buffer in full (large slices, short writes retried); returns the size.
+
+    ``halfway``, when given, is called once half of the bytes are written (a fault hook).
+    """
+    half = sum(len(c) for c in chunks) // 2
+    written = 0
+    for chunk in chunks:
+        view = chunk
+        while len(view):
+            if halfway is not None and written == half:
+                halfway()
+                halfway = None
+            limit = _WRITE_SLICE
+            if halfway is not None:
+                limit = min(limit, half - written)
+            count = os.write(fd, view[:limit])
+            written += count
+            view = view[count:]
+    if halfway is not None:
+        halfway()
+    return written
+
+
+def _write_chunks_durably(
+    path: Path, chunks: Sequence[memoryview], *, halfway: Callable[[], None] | None = None
+) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        size = write_chunks(fd, chunks, halfway)
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.filename is None:  # write(2) and fsync(2) errors carry no file name
+            exc.filename = str(path)
+        raise
+    finally:
+        os.close(fd)
+    return size
+
+
+class _Hashers:
+    """sha256 of each file's buffers, the large ones on ``workers`` background threads."""
+
+    def __init__(self, contents: dict[str, list[memoryview]], workers: int) -> None:
+        self._digests: dict[str, str] = {}
+        self._errors: list[BaseException] = []
+        large: list[tuple[int, str]] = []
+        for name, chunks in contents.items():
+            size = sum(len(c) for c in chunks)
+            if size < _HASH_IN_THREAD_BYTES or workers < 1:
+                self._digests[name] = _sha256(chunks)
+            else:
+                large.append((size, name))
+        # Largest first onto the least loaded worker: two workers split model and optimizer.
+        queues: list[list[str]] = [[] for _ in range(max(1, min(workers, len(large))))]
+        loads = [0] * len(queues)
+        for size, name in sorted(large, reverse=True):
+            lightest = loads.index(min(loads))
+            queues[lightest].append(name)
+            loads[lightest] += size
+        self._threads = [
+            threading.Thread(
+                target=self._run, args=(names, contents), name="checkpoint-hash", daemon=True
+            )
+            for names in queues
+            if names
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, names: list[str], contents: dict[str, list[memoryview]]) -> None:
+        try:
+            for name in names:
+                self._digests[name] = _sha256(contents[name])
+        except BaseException as exc:  # surfaced by join()
+            self._errors.append(exc)
+
+    def join(self) -> dict[str, str]:
+        for thread in self._threads:
+            thread.join()
+        if self._errors:
+            raise self._errors[0]
+        return self._digests
+
+
+def _sha256(chunks: Sequence[memoryview]) -> str:
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        # hashlib releases the GIL for large updates: training and writing carry on meanwhile.
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _naming(exc: OSError, path: Path | str, step: int) -> OSError:
+    """The same kind of OSError (errno kept) naming the file and the checkpoint's step."""
+    if exc.errno is None:
+        return exc
+    return OSError(exc.errno, f"{exc.strerror} (writing the checkpoint of step {step})", str(path))
+
+
+def _fault_halfway(step: int) -> Callable[[], None] | None:
+    enospc = os.environ.get(FAULT_ENOSPC_AT_STEP)
+    sleep = os.environ.get(FAULT_SLEEP_DURING_WRITE)
+    if enospc and int(enospc.rpartition("@")[2]) == step:
+
+        def fail() -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        return fail
+    if sleep:
+        seconds, _, at_step = sleep.partition("@")
+        if not at_step or int(at_step) == step:
+            return lambda: time.sleep(float(seconds))
+    return None

@@ -77,6 +77,9 @@ class TrainConfig:
     log_every_steps: int = 10
     probe_size: int = 16
     device: str = "cpu"
+    # Periodic checkpoints are written by a background thread after a synchronous staging
+    # copy; the final and the preemption checkpoint are always synchronous.
+    async_save: bool = True
 
     @classmethod
     def load(cls, path: str | Path) -> Self:
@@ -195,6 +198,10 @@ def _coerce(value: Any, annotation: Any, source: str, key: str) -> Any:
         if optional:
             return None
         raise ConfigError(source, key, "must not be null")
+    if kind.startswith("bool"):
+        if not isinstance(value, bool):
+            raise ConfigError(source, key, f"must be true or false, got {value!r}")
+        return value
     if kind.startswith("int"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(source, key, f"must be an integer, got {value!r}")

@@ -228,6 +228,7 @@ class Trainer:
             run_id=self.attempt.run_id,
             ledger=self.attempt.ledger,
             on_event=self._checkpoint_event,
+            on_commit=self._checkpoint_committed,
         )
         resumed = manager.resume(state)
         self.step, self.last_checkpoint = state.step, resumed
@@ -246,6 +247,9 @@ class Trainer:
             resumed_from=str(resumed.path) if resumed else None,
         )
         manager.bind_attempt(self.attempt.attempt_no, self.attempt.fencing_token)  # type: ignore[arg-type]
+        # Holding the token now: a commit an older attempt made just before is not missed.
+        resumed = manager.reconcile_with_ledger(state, resumed)
+        self.step, self.last_checkpoint = state.step, resumed
         self.reporter.event(
             "attempt_started",
             {
@@ -260,7 +264,10 @@ class Trainer:
             },
         )
         self.attempt.heartbeat(state.step, force=True)
-        return self._loop(state, manager, data)
+        try:
+            return self._loop(state, manager, data)
+        finally:
+            self._settle(manager)
 
     def _build(self, data: TrainingData, device: torch.device) -> TrainingState:
         cfg = self.config
@@ -313,7 +320,9 @@ class Trainer:
             state.step += 1
             self.step = state.step
             window_steps += 1
+            manager.poll()  # a background save that failed stops the attempt here
             if not math.isfinite(loss):
+                self._settle(manager)
                 return self._diverged(loss, state.step)
             if state.step % cfg.log_every_steps == 0 or state.step == cfg.max_steps:
                 now = time.monotonic()
@@ -338,8 +347,10 @@ class Trainer:
                 and time.monotonic() - self.started >= cfg.max_wall_seconds
             )
             last = state.step >= cfg.max_steps
-            if manager.should_save(state.step) or last or self.stop.requested or timed_out:
-                self._save(state, manager, data, loss)
+            stopping = last or self.stop.requested or timed_out
+            if manager.should_save(state.step) or stopping:
+                # The final and the preemption checkpoint are committed before we go on.
+                self._save(state, manager, data, loss, wait=stopping or not cfg.async_save)
             if last:
                 break
             if self.stop.requested:
@@ -368,10 +379,22 @@ class Trainer:
         )
 
     def _save(
-        self, state: TrainingState, manager: CheckpointManager, data: TrainingData, loss: float
+        self,
+        state: TrainingState,
+        manager: CheckpointManager,
+        data: TrainingData,
+        loss: float,
+        *,
+        wait: bool,
     ) -> None:
         metrics = {"train_loss": loss, **evaluate(state.model, data.eval_images, data.eval_labels)}
-        info = manager.save(state, metrics=metrics)
+        if wait:
+            manager.save(state, metrics=metrics)
+        else:
+            manager.save_async(state, metrics=metrics)
+
+    def _checkpoint_committed(self, info: CheckpointInfo) -> None:
+        # Called on the training thread, also for saves the background writer committed.
         self.last_checkpoint = info
         self.reporter.checkpoint_committed(
             {
@@ -381,13 +404,23 @@ class Trainer:
                 "path": str(info.path),
                 "manifest_sha256": info.manifest_sha256,
                 "bytes": info.size_bytes,
-                "metrics": metrics,
+                "metrics": info.metrics,
             }
         )
-        self.attempt.heartbeat(state.step, force=True)
+        self.attempt.heartbeat(self.step or info.step, force=True)
+
+    def _settle(self, manager: CheckpointManager) -> None:
+        """Let a save in flight finish before the attempt ends, whatever ended it."""
+        try:
+            manager.wait()
+        except Exception as exc:  # the reason the attempt is ending is already decided
+            self.reporter.event(
+                "checkpoint_failed", {"error": f"{type(exc).__name__}: {exc}"}, level="warning"
+            )
 
     def _checkpoint_event(self, name: str, fields: dict[str, Any]) -> None:
-        level = "warning" if name in ("checkpoint_corrupt", "retention_failed") else "info"
+        warn = ("checkpoint_corrupt", "retention_failed", "checkpoint_abandoned")
+        level = "warning" if name in warn else "info"
         self.reporter.event(name, fields, level=level)
 
     def _diverged(self, loss: float, step: int) -> Outcome:

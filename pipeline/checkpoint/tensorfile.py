@@ -1,0 +1,123 @@
+"""safetensors without an extra copy: written from the staged tensors, parsed in place.
+
+``safetensors.torch.save`` builds the whole file as one ``bytes`` object (a second copy of a
+gigabyte of state) and ``safetensors.torch.load`` copies every tensor out of the bytes it is
+given. For large checkpoints both copies cost as much as the disk, so the writer streams the
+header and each tensor's own memory, and the reader returns views into the one buffer it read
+(and hashed). The files are ordinary safetensors: any safetensors reader loads them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+# safetensors' names for torch dtypes.
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+class TensorFileError(ValueError):
+    """Bytes that are not a well-formed safetensors file (the message says what is wrong)."""
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without copying them."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("tensor_bytes needs a contiguous CPU tensor; stage it first")
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def safetensors_chunks(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> list[memoryview]:
+    """The file as a list of buffers: header, then every tensor's bytes in file order.
+
+    Tensors are laid out by element size (largest first), then name, so every tensor starts
+    at an offset aligned to its element size, as safetensors itself does; the header is padded
+    with spaces to a multiple of 8. Equal tensors give equal bytes.
+    """
+    ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    views = []
+    for name, tensor in ordered:
+        if tensor.dtype not in DTYPE_NAMES:
+            raise TypeError(f"{name}: dtype {tensor.dtype} has no safetensors name")
+        view = tensor_bytes(tensor)
+        header[name] = {
+            "dtype": DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(view)],
+        }
+        offset += len(view)
+        views.append(view)
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return [memoryview(len(raw).to_bytes(8, "little") + raw), *views]
+
+
+def parse_safetensors(buffer: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors (views into ``buffer``, a 1-D uint8 tensor) and the file's metadata.
+
+    Only reads a length, a JSON header and raw bytes: nothing in the file can run code.
+    Raises :class:`TensorFileError` when the header does not describe the bytes.
+    """
+    size = buffer.numel()
+    if size < 8:
+        raise TensorFileError(f"{size} bytes is shorter than the 8-byte header length")
+    header_len = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
+    if header_len > size - 8:
+        raise TensorFileError(f"header length {header_len} exceeds the {size}-byte file")
+    try:
+        header = json.loads(buffer[8 : 8 + header_len].numpy().tobytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TensorFileError(f"header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise TensorFileError("header is not a JSON object")
+    data = buffer[8 + header_len :]
+    metadata = header.pop("__metadata__", None) or {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, spec in header.items():
+        try:
+            dtype = DTYPES[spec["dtype"]]
+            shape = [int(d) for d in spec["shape"]]
+            start, end = (int(o) for o in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TensorFileError(f"{name}: malformed header entry {spec!r}") from exc
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if not 0 <= start <= end <= data.numel() or end - start != numel * itemsize:
+            raise TensorFileError(
+                f"{name}: offsets [{start}, {end}) do not hold {shape} of {spec['dtype']} "
+                f"within {data.numel()} data bytes"
+            )
+        raw = data[start:end]
+        if (raw.storage_offset() * raw.element_size()) % itemsize:
+            raw = raw.clone()  # unaligned (a foreign writer): one small copy
+        tensors[name] = raw.view(dtype).reshape(shape)
+    return tensors, {str(k): str(v) for k, v in dict(metadata).items()}

@@ -1,0 +1,419 @@
+"""Async saving in-process: staging into reused buffers, one save in flight, errors surface.
+
+Also the streaming safetensors files, and the two clean-ups that keep a run to one lineage:
+reconciling with the ledger after taking the token, and removing dead attempts' leftovers.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+from pipeline.checkpoint import (
+    COMMITTED_FILE,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    CheckpointInfo,
+    TrainingState,
+    checkpoint_dirs,
+    load_checkpoint,
+    verify_checkpoint,
+)
+from pipeline.checkpoint import manager as manager_module
+from pipeline.checkpoint.tensorfile import parse_safetensors, safetensors_chunks
+from pipeline.states import CheckpointState
+from pipeline.trainer.data import TrainingData
+from tests.test_checkpoint import RUN_ID, _data, _ledger_run, _manager, _state, _steps
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> None:
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+
+
+def _model_bytes(path: Path) -> bytes:
+    return (path / MODEL_FILE).read_bytes()
+
+
+def _twin_run(tmp_path: Path, data: TrainingData, steps: int) -> Path:
+    """The same trajectory saved synchronously at ``steps``: what an async save must equal."""
+    twin = _state(data)
+    _steps(twin, data, steps)
+    return _manager(tmp_path / "twin").save(twin, metrics={"eval_loss": 1.0}).path
+
+
+def test_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path: Path) -> None:
+    data = _data()
+    state = _state(data)
+    _steps(state, data, 5)
+    committed: list[CheckpointInfo] = []
+    manager = _manager(tmp_path)
+    manager._on_commit = committed.append
+    manager.save_async(state, metrics={"eval_loss": 1.0})
+    _steps(state, data, 7)  # the loop mutates the live state while the writer writes
+    manager.wait()
+    expected = _steps(state, data, 4)
+    (info,) = committed
+    assert info.step == 5 and verify_checkpoint(info.path).step == 5
+    # The resumed trajectory is the uninterrupted one …
+    resumed = _state(data, seed=42)
+    _manager(tmp_path, attempt=2).resume(resumed)
+    assert resumed.step == 5
+    _steps(resumed, data, 7)
+    assert _steps(resumed, data, 4) == expected
+    # … and the files are those a synchronous save at step 5 writes.
+    twin = _twin_run(tmp_path, data, 5)
+    assert _model_bytes(info.path) == _model_bytes(twin)
+    assert (info.path / OPTIMIZER_FILE).read_bytes() == (twin / OPTIMIZER_FILE).read_bytes()
+
+
+def test_staging_copies_into_the_same_preallocated_buffers_every_save(tmp_path: Path) -> None:
+    data = _data()
+    state = _state(data)
+    manager = _manager(tmp_path)
+    pointers = []
+    for _ in range(3):
+        _steps(state, data, 2)
+        manager.save_async(state)
+        pointers.append({k: b.data_ptr() for k, b in manager._buffers._buffers.items()})
+    manager.wait()
+    assert pointers[0] == pointers[1] == pointers[2]
+    assert any(k.startswith("optimizer.") for k in pointers[0]) and "model.head.1.weight" in str(
+        pointers[0]
+    )
+    live = {t.data_ptr() for t in state.model.state_dict().values()}
+    assert live.isdisjoint(pointers[0].values()), "staged tensors must not alias live ones"
+
+
+def test_next_save_waits_for_the_one_in_flight_before_reusing_its_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = _data()
+    state = _state(data)
+    manager = _manager(tmp_path)
+    release = threading.Event()
+    in_flight = threading.Event()
+
+    def held_before_commit(step: int) -> None:
+        if step == 2:
+            in_flight.set()
+            assert release.wait(10)
+
+    monkeypatch.setattr(manager_module, "_fault_sleep_before_commit", held_before_commit)
+    _steps(state, data, 2)
+    manager.save_async(state)
+    assert in_flight.wait(10) and manager.save_in_flight
+    _steps(state, data, 2)
+    threading.Timer(0.3, release.set).start()
+    began = time.monotonic()
+    manager.save_async(state)  # must block until step 2 is committed
+    assert time.monotonic() - began >= 0.25
+    assert (manager.run_dir / "step-0000000002-a01" / COMMITTED_FILE).is_file()
+    manager.wait()
+    # Step 2's bytes are step 2's, although step 4 was staged into the same buffers after.
+    assert _model_bytes(manager.run_dir / "step-0000000002-a01") == _model_bytes(
+        _twin_run(tmp_path, data, 2)
+    )
+    assert [p.name for p in checkpoint_dirs(manager.run_dir)] == [
+        "step-0000000004-a01",
+        "step-0000000002-a01",
+    ]
+
+
+def test_commits_are_reported_on_the_training_thread_in_order(tmp_path: Path) -> None:
+    data = _data()
+    state = _state(data)
+    seen: list[tuple[int, str]] = []
+    manager = _manager(tmp_path)
+    manager._on_commit = lambda info: seen.append((info.step, threading.current_thread().name))
+    for _ in range(3):
+        _steps(state, data, 3)
+        manager.save_async(state)
+    _steps(state, data, 3)
+    manager.save(state)  # synchronous: waits for the one in flight, then commits its own
+    main = threading.current_thread().name
+    assert seen == [(3, main), (6, main), (9, main), (12, main)]
+    assert not manager.save_in_flight
+
+
+def test_writer_error_is_raised_on_the_training_thread_and_the_previous_checkpoint_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = _data()
+    state = _state(data)
+    manager = _manager(tmp_path)
+    _steps(state, data, 4)
+    previous = manager.save(state).path
+    monkeypatch.setenv("TRACKS_FAULT_ENOSPC_AT_STEP", "8")
+    events: list[tuple[str, dict]] = []
+    manager._on_event = lambda name, fields: events.append((name, fields))
+    _steps(state, data, 4)
+    manager.save_async(state)
+    manager._writer.join()  # type: ignore[union-attr]
+    assert events == [], "nothing is told from the writer thread"
+    with pytest.raises(OSError) as caught:
+        manager.poll()
+    assert caught.value.errno == errno.ENOSPC
+    failed = manager.run_dir / "step-0000000008-a01"
+    assert caught.value.filename == str(failed / OPTIMIZER_FILE)
+    assert "checkpoint of step 8" in str(caught.value)
+    assert not failed.exists()
+    assert [name for name, _ in events] == ["checkpoint_abandoned"]
+    assert verify_checkpoint(previous).step == 4
+    manager.poll()  # raised once, then cleared
+    resumed = _state(data, seed=1)
+    assert _manager(tmp_path, attempt=2).resume(resumed).path == previous  # type: ignore[union-attr]
+
+
+def test_synchronous_save_raises_the_error_of_the_save_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = _data()
+    state = _state(data)
+    manager = _manager(tmp_path)
+    monkeypatch.setenv("TRACKS_FAULT_ENOSPC_AT_STEP", "2")
+    _steps(state, data, 2)
+    manager.save_async(state)
+    _steps(state, data, 2)
+    with pytest.raises(OSError, match="No space left on device"):
+        manager.save(state)
+    assert checkpoint_dirs(manager.run_dir) == []
+
+
+def test_sync_and_async_saves_write_identical_bytes(tmp_path: Path) -> None:
+    data = _data()
+    one = _state(data)  # seeds the global RNG (dropout): build and train one run at a time
+    _steps(one, data, 3)
+    sync = _manager(tmp_path / "sync").save(one, metrics={"eval_loss": 0.5}).path
+    two = _state(data)
+    _steps(two, data, 3)
+    manager = _manager(tmp_path / "async")
+    manager.save_async(two, metrics={"eval_loss": 0.5})
+    manager.wait()
+    (asynchronous,) = checkpoint_dirs(manager.run_dir)
+    for name in (MODEL_FILE, OPTIMIZER_FILE, "probe.safetensors"):
+        assert (sync / name).read_bytes() == (asynchronous / name).read_bytes(), name
+
+
+# -- tensor files -------------------------------------------------------------------------------
+
+
+TENSORS = {
+    "f32": torch.randn(3, 5),
+    "f64": torch.randn(2, dtype=torch.float64),
+    "bf16": torch.randn(7, dtype=torch.bfloat16),
+    "i64": torch.arange(5),
+    "u8": torch.arange(3, dtype=torch.uint8),
+    "bool": torch.tensor([True, False, True]),
+    "scalar": torch.tensor(2.5),
+    "empty": torch.zeros(0, 4),
+}
+
+
+def test_streamed_tensor_files_are_safetensors_and_parse_back_as_views() -> None:
+    raw = b"".join(bytes(c) for c in safetensors_chunks(TENSORS, {"format": "pt"}))
+    loaded = safetensors_load(raw)
+    buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    parsed, metadata = parse_safetensors(buffer)
+    assert metadata == {"format": "pt"}
+    for name, tensor in TENSORS.items():
+        for got in (loaded[name], parsed[name]):
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+    assert parsed["f32"].untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    # Files written by safetensors itself (older checkpoints) parse too.
+    foreign, _ = parse_safetensors(
+        torch.frombuffer(bytearray(safetensors_save(TENSORS)), dtype=torch.uint8)
+    )
+    assert all(torch.equal(foreign[n], t) for n, t in TENSORS.items())
+
+
+def test_tensor_file_whose_header_lies_is_a_corrupt_checkpoint(tmp_path: Path) -> None:
+    data = _data()
+    state = _state(data)
+    _steps(state, data, 1)
+    path = _manager(tmp_path).save(state).path
+    # Rewrite model.safetensors with offsets past the end, and re-vouch for it in the manifest:
+    # the bytes match their hashes but do not parse.
+    model = path / MODEL_FILE
+    raw = model.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_len])
+    first = next(k for k in header if k != "__metadata__")
+    header[first]["data_offsets"][1] += 4096
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    model.write_bytes(len(body).to_bytes(8, "little") + body + raw[8 + header_len :])
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    from pipeline.digests import sha256_bytes, sha256_file
+
+    for entry in manifest["files"]:
+        if entry["name"] == MODEL_FILE:
+            entry.update(size=model.stat().st_size, sha256=sha256_file(model))
+    manifest_raw = json.dumps(manifest).encode()
+    (path / MANIFEST_FILE).write_bytes(manifest_raw)
+    committed = json.loads((path / COMMITTED_FILE).read_text())
+    committed["manifest_sha256"] = sha256_bytes(manifest_raw)
+    (path / COMMITTED_FILE).write_text(json.dumps(committed))
+    verify_checkpoint(path)  # the bytes are what the manifest says …
+    with pytest.raises(Exception, match=r"model\.safetensors: does not load: .*offsets"):
+        load_checkpoint(path)  # … but they are not a tensor file
+
+
+# -- one lineage --------------------------------------------------------------------------------
+
+
+def _committed_without_marker(tmp_path: Path, state: TrainingState, data: TrainingData) -> Path:
+    """What a stale attempt leaves when stopped between its ledger commit and COMMITTED."""
+    book = _ledger_run(tmp_path)
+    manager = _manager(tmp_path, ledger=book.ledger, attempt=book.attempt_no, token=book.token)
+    _steps(state, data, 4)
+    manager.save(state)
+    _steps(state, data, 4)
+    newest = manager.save(state).path
+    (newest / COMMITTED_FILE).unlink()
+    return newest
+
+
+def test_ledger_commit_without_committed_marker_is_marked_corrupt_after_taking_the_token(
+    tmp_path: Path,
+) -> None:
+    data = _data()
+    newest = _committed_without_marker(tmp_path, _state(data), data)
+    from pipeline.ledger import Ledger
+    from tests.test_checkpoint import _begin
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    resumed_state = _state(data, seed=3)
+    manager = _manager(tmp_path, ledger=ledger, attempt=2)
+    resumed = manager.resume(resumed_state)
+    assert resumed is not None and resumed.step == 4
+    attempt_no, token = _begin(ledger)
+    manager.bind_attempt(attempt_no, token)
+    assert manager.reconcile_with_ledger(resumed_state, resumed) == resumed
+    record = ledger.get_checkpoint(str(newest))
+    assert record.state == CheckpointState.CORRUPT and COMMITTED_FILE in (record.state_detail or "")
+    latest = ledger.latest_committed_checkpoint(RUN_ID)
+    assert latest is not None and latest.step == 4
+
+
+def test_commit_renamed_after_resume_looked_is_picked_up_after_taking_the_token(
+    tmp_path: Path,
+) -> None:
+    data = _data()
+    newest = _committed_without_marker(tmp_path, _state(data), data)
+    from pipeline.ledger import Ledger
+    from tests.test_checkpoint import _begin
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    resumed_state = _state(data, seed=3)
+    manager = _manager(tmp_path, ledger=ledger, attempt=2)
+    resumed = manager.resume(resumed_state)
+    assert resumed is not None and resumed.step == 4
+    # The stale attempt wakes and renames COMMITTED into place before we take the token.
+    (newest / COMMITTED_FILE).write_text(
+        json.dumps({**json.loads(json.dumps(_commit_payload(newest)))})
+    )
+    attempt_no, token = _begin(ledger)
+    manager.bind_attempt(attempt_no, token)
+    again = manager.reconcile_with_ledger(resumed_state, resumed)
+    assert again is not None and again.step == 8 and resumed_state.step == 8
+
+
+def _commit_payload(directory: Path) -> dict:
+    from pipeline.digests import sha256_bytes
+
+    manifest = json.loads((directory / MANIFEST_FILE).read_bytes())
+    return {
+        "manifest_sha256": sha256_bytes((directory / MANIFEST_FILE).read_bytes()),
+        "run_id": manifest["run_id"],
+        "attempt_no": manifest["attempt_no"],
+        "step": manifest["step"],
+        "fencing_token": 1,
+    }
+
+
+def test_retention_removes_dead_attempts_half_written_dirs_but_not_newer_ones(
+    tmp_path: Path,
+) -> None:
+    data = _data()
+    state = _state(data)
+    run_dir = tmp_path / "store" / RUN_ID
+    leftovers = {
+        name: run_dir / name
+        for name in (
+            "step-0000000002-a01",  # a dead attempt's write, older than the newest commit
+            "step-0000000009-a01",  # … newer than the newest commit: left alone
+            "step-0000000004-a03",  # a newer attempt's write in progress: never touched
+        )
+    }
+    for directory in leftovers.values():
+        directory.mkdir(parents=True)
+        (directory / MODEL_FILE).write_bytes(b"half")
+    manager = _manager(tmp_path, attempt=2)
+    _steps(state, data, 6)
+    manager.save(state)
+    assert not leftovers["step-0000000002-a01"].exists()
+    assert leftovers["step-0000000009-a01"].exists()
+    assert leftovers["step-0000000004-a03"].exists()
+
+
+# -- the probe batch off the training thread -------------------------------------------------------
+
+
+def test_probe_runs_on_the_staged_weights_in_the_writer_and_matches_the_live_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline.checkpoint import state as state_module
+    from pipeline.checkpoint.state import ProbeSkeleton
+
+    data = _data()
+    state = _state(data)
+    manager = _manager(tmp_path)
+    _steps(state, data, 2)
+    manager.save_async(state)  # the first: probe on the training thread, skeleton checked
+    manager.wait()
+    assert isinstance(manager._skeleton, ProbeSkeleton)
+    live_probes: list[str] = []
+    real = state_module.probe_logits
+    monkeypatch.setattr(
+        state_module,
+        "probe_logits",
+        lambda *a: (live_probes.append(threading.current_thread().name), real(*a))[1],
+    )
+    _steps(state, data, 3)
+    manager.save_async(state)
+    manager.wait()
+    assert live_probes == [], "the staging stall no longer runs the probe batch"
+    monkeypatch.setattr(state_module, "probe_logits", real)
+    (newest, _) = checkpoint_dirs(manager.run_dir)
+    twin = _twin_run(tmp_path, data, 5)
+    assert (newest / "probe.safetensors").read_bytes() == (twin / "probe.safetensors").read_bytes()
+    resumed = _state(data, seed=9)
+    assert _manager(tmp_path, attempt=2).resume(resumed).path == newest  # type: ignore[union-attr]
+
+
+def test_model_with_non_persistent_buffers_keeps_the_probe_on_the_training_thread(
+    tmp_path: Path,
+) -> None:
+    data = _data()
+    state = _state(data)
+    state.model.register_buffer("scale", torch.ones(1), persistent=False)
+    manager = _manager(tmp_path)
+    _steps(state, data, 1)
+    manager.save_async(state)
+    manager.wait()
+    assert manager._skeleton is False
+    _steps(state, data, 1)
+    manager.save_async(state)
+    manager.wait()
+    assert verify_checkpoint(checkpoint_dirs(manager.run_dir)[0]).step == 2
