@@ -346,13 +346,20 @@ class CheckpointManager:
     # -- resuming -------------------------------------------------------------------------
 
     def committed_dirs(self) -> list[Path]:
-        """Committed checkpoint directories, newest first, minus those the ledger marked corrupt."""
-        corrupt = set()
+        """Committed checkpoint directories, newest first, minus those the ledger ruled out.
+
+        Corrupt ones failed verification; superseded ones were rolled back past (a diverged
+        attempt) or retired by retention: neither is a resume target again.
+        """
+        ruled_out = set()
         if self.ledger is not None:
-            corrupt = {
-                c.path for c in self.ledger.checkpoints(self.run_id, [CheckpointState.CORRUPT])
+            ruled_out = {
+                c.path
+                for c in self.ledger.checkpoints(
+                    self.run_id, [CheckpointState.CORRUPT, CheckpointState.SUPERSEDED]
+                )
             }
-        return [d for d in checkpoint_dirs(self.run_dir) if str(d) not in corrupt]
+        return [d for d in checkpoint_dirs(self.run_dir) if str(d) not in ruled_out]
 
     def resume(self, state: TrainingState) -> CheckpointInfo | None:
         """Restore ``state`` from the newest committed checkpoint that verifies and validates.
@@ -364,6 +371,14 @@ class CheckpointManager:
         for directory in self.committed_dirs():
             try:
                 contents = load_checkpoint(directory)
+                if contents.trainer_state.get("config_sha256") != state.config_sha256:
+                    # Written under an earlier config of this run (e.g. before an OOM retry
+                    # with a smaller batch): not this trajectory, so not a resume target.
+                    self._event(
+                        "checkpoint_skipped",
+                        {"path": str(directory), "why": "written under a different config"},
+                    )
+                    continue
                 self._check_belongs(contents, state)
                 if fresh is None:
                     fresh = stage_checkpoint(state, run_id=self.run_id, attempt_no=0)

@@ -462,6 +462,17 @@ class Ledger:
             raise UnknownAttemptError(run_id, attempt_no)
         return self.get_attempt(run_id, attempt_no)
 
+    def set_resumed_from(self, run_id: str, attempt_no: int, path: str | None) -> None:
+        """Where the attempt's trainer actually resumed from (None: it started fresh)."""
+        t = schema.training_attempts
+        self._tx(
+            lambda conn: conn.execute(
+                sa.update(t)
+                .where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
+                .values(resumed_from_checkpoint=path)
+            )
+        )
+
     def set_retry_decision(self, run_id: str, attempt_no: int, decision: dict[str, Any]) -> None:
         t = schema.training_attempts
         self._tx(

@@ -93,8 +93,17 @@ class AttemptHandle:
         data_manifest_sha256: str | None,
         resumed_from: str | None,
     ) -> None:
-        """Self-owned mode: create the run if missing and begin the attempt (fresh token)."""
-        if self.begun or self.ledger is None:
+        """Self-owned mode: create the run if missing and begin the attempt (fresh token).
+
+        Orchestrated mode: the attempt is open already; record where it really resumed from
+        (the orchestrator's guess skips nothing; the trainer skips corrupt checkpoints and those
+        of another config).
+        """
+        if self.ledger is None:
+            return
+        if self.begun:
+            assert self.attempt_no is not None
+            self.ledger.set_resumed_from(self.run_id, self.attempt_no, resumed_from)
             return
         from sqlalchemy.exc import IntegrityError
 

@@ -1,4 +1,4 @@
-"""The model family Tracks trains on the digits data: a small CNN for 8×8 images."""
+"""The model family Tracks trains on the digits data: a small CNN for 8x8 images."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ IMAGE_SIDE = 8
 
 
 class DigitsCNN(nn.Module):
-    """Two 3×3 convolutions and a linear head; input is ``[N, 1, 8, 8]`` scaled to [0, 1]."""
+    """Two 3x3 convolutions and a linear head; input is ``[N, 1, 8, 8]`` scaled to [0, 1]."""
 
     def __init__(self, channels: int = 16, hidden: int = 64, dropout: float = 0.0) -> None:
         super().__init__()

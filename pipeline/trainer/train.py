@@ -45,6 +45,9 @@ from pipeline.trainer.reporting import Reporter, make_reporter
 # Test hook: after step N, pause ("seconds@N") until the pause ends or a stop is requested,
 # so a drill can SIGKILL or SIGTERM the trainer at a known step.
 FAULT_SLEEP_AFTER_STEP = "TRACKS_FAULT_SLEEP_AFTER_STEP"
+# Test hook: a "smaller node": the first step raises torch.OutOfMemoryError when the batch is
+# larger than this, so drills can exercise the OOM reason and its retry rule on a CPU.
+FAULT_OOM_ABOVE_BATCH = "TRACKS_FAULT_OOM_ABOVE_BATCH"
 
 
 class StopRequest:
@@ -314,6 +317,7 @@ class Trainer:
     ) -> Outcome:
         cfg = self.config
         first_step = state.step
+        _fault_oom_above_batch(cfg.batch_size)
         window_start, window_steps = time.monotonic(), 0
         while state.step < cfg.max_steps:
             loss = train_step(state, data)
@@ -530,6 +534,14 @@ def _make_deterministic(cfg: TrainConfig) -> torch.device:
     # One thread: float reductions then add in one order, in every process.
     torch.set_num_threads(1)
     return torch.device(cfg.device)
+
+
+def _fault_oom_above_batch(batch_size: int) -> None:
+    limit = os.environ.get(FAULT_OOM_ABOVE_BATCH)
+    if limit and batch_size > int(limit):
+        raise torch.OutOfMemoryError(
+            f"injected by {FAULT_OOM_ABOVE_BATCH}={limit}: batch {batch_size} does not fit"
+        )
 
 
 def _fault_sleep_after_step(step: int, stop: StopRequest) -> None:
