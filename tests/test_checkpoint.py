@@ -21,7 +21,6 @@ from pipeline.checkpoint import (
     TRAINER_STATE_FILE,
     CheckpointConfig,
     CheckpointManager,
-    CheckpointMismatchError,
     CorruptCheckpointError,
     TrainingState,
     UnsafeCheckpointError,
@@ -396,14 +395,25 @@ def test_probe_mismatch_after_restore_is_corrupt_and_previous_is_used(tmp_path: 
         assert torch.equal(value, resumed.model.state_dict()[key])
 
 
-def test_checkpoint_of_another_config_is_refused(tmp_path: Path) -> None:
+def test_checkpoint_of_another_config_is_skipped_not_resumed(tmp_path: Path) -> None:
+    # A run retried under a new config (e.g. a smaller batch after an OOM) must not continue
+    # a trajectory written under the old one: those checkpoints are passed over, with a word.
     data = _data()
     state = _state(data)
-    _save_at(_manager(tmp_path), state, data, [10])
+    (older,) = _save_at(_manager(tmp_path), state, data, [10])
+    newer_config = _manager(tmp_path, attempt=2)
+    state.config_sha256 = "d" * 64
+    _save_at(newer_config, state, data, [20])
+    events: list[tuple[str, dict]] = []
     other = _state(data)
-    other.config_sha256 = "d" * 64
-    with pytest.raises(CheckpointMismatchError, match="config_sha256"):
-        _manager(tmp_path, attempt=2).resume(other)
+    other.config_sha256 = "e" * 64
+    manager = _manager(tmp_path, attempt=3)
+    manager._on_event = lambda name, fields: events.append((name, fields))
+    assert manager.resume(other) is None and other.step == 0
+    assert [name for name, _ in events] == ["checkpoint_skipped", "checkpoint_skipped"]
+    original = _state(data)  # config "c" * 64: the step-10 checkpoint is its own
+    info = _manager(tmp_path, attempt=4).resume(original)
+    assert info is not None and info.path == older
 
 
 def test_stale_fencing_token_commit_is_refused_and_leaves_no_committed(tmp_path: Path) -> None:

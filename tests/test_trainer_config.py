@@ -116,3 +116,19 @@ def test_async_save_is_on_by_default_and_must_be_a_boolean(tmp_path: Path) -> No
         TrainConfig.from_dict({**MINIMAL, "async_save": "yes"})
     with pytest.raises(ConfigError, match="async_save: must be true or false, got 1"):
         TrainConfig.from_dict({**MINIMAL, "async_save": 1})
+
+
+def test_operational_settings_do_not_change_the_config_digest() -> None:
+    base = TrainConfig.from_dict(dict(MINIMAL))
+    operated = TrainConfig.from_dict(
+        {
+            **MINIMAL,
+            "async_save": False,
+            "keep_last_k": 9,
+            "log_every_steps": 1,
+            "max_wall_seconds": 60,
+        }
+    )
+    assert operated.sha256() == base.sha256()
+    assert operated.to_dict() != base.to_dict()  # the snapshot still records them
+    assert TrainConfig.from_dict({**MINIMAL, "batch_size": 7}).sha256() != base.sha256()

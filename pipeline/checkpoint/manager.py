@@ -36,6 +36,7 @@ from pipeline.checkpoint.layout import (
     COMMITTED_FILE,
     MANIFEST_FILE,
     PROBE_FILE,
+    TRAINER_STATE_FILE,
     checkpoint_dir_name,
     fsync_dir,
     parse_checkpoint_dir_name,
@@ -459,8 +460,12 @@ class CheckpointManager:
                 return resumed
             path = Path(latest.path)
             if is_committed(path):
-                self._event("resume_target_changed", {"path": str(path), "step": latest.step})
-                return self.resume(state)
+                if path not in self.committed_dirs() or _config_of(path) != state.config_sha256:
+                    return resumed  # not a resume target for this attempt anyway
+                again = self.resume(state)
+                if again is not None and again != resumed:
+                    self._event("resume_target_changed", {"path": str(again.path)})
+                return again
             self.mark_corrupt(
                 path,
                 CheckpointError(
@@ -590,6 +595,13 @@ def _restore_staged(state: TrainingState, staged: StagedCheckpoint) -> None:
         training_tensors=staged.training_tensors,
         trainer_state=staged.trainer_state,
     )
+
+
+def _config_of(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / TRAINER_STATE_FILE).read_bytes()).get("config_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _dir_step(directory: Path) -> int:

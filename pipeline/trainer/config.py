@@ -52,6 +52,21 @@ class LRScheduleConfig:
 
 _REQUIRED = object()
 
+# Settings that change how a run is operated, never what it computes (resume is bit-exact
+# whatever they are): left out of the config digest.
+OPERATIONAL_KEYS = frozenset(
+    {
+        "async_save",
+        "log_every_steps",
+        "checkpoint_every_steps",
+        "keep_last_k",
+        "keep_best_k",
+        "best_metric",
+        "best_mode",
+        "max_wall_seconds",
+    }
+)
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -161,8 +176,17 @@ class TrainConfig:
         """The resolved config: every key, defaults filled in, plain JSON values."""
         return asdict(self)
 
+    def trajectory_dict(self) -> dict[str, Any]:
+        """The keys that decide the training trajectory: the config minus operational ones."""
+        return {k: v for k, v in self.to_dict().items() if k not in OPERATIONAL_KEYS}
+
     def sha256(self) -> str:
-        return sha256_json(self.to_dict())
+        """Digest of :meth:`trajectory_dict`: what a checkpoint must match to be resumed from.
+
+        How often to log or save, how many checkpoints to keep, async saving and the wall-clock
+        limit do not change a single weight, so changing them keeps resuming the same run.
+        """
+        return sha256_json(self.trajectory_dict())
 
 
 def _check_section(

@@ -251,7 +251,14 @@ class Trainer:
         )
         manager.bind_attempt(self.attempt.attempt_no, self.attempt.fencing_token)  # type: ignore[arg-type]
         # Holding the token now: a commit an older attempt made just before is not missed.
-        resumed = manager.reconcile_with_ledger(state, resumed)
+        reconciled = manager.reconcile_with_ledger(state, resumed)
+        if reconciled != resumed and self.attempt.ledger is not None:
+            self.attempt.ledger.set_resumed_from(
+                self.attempt.run_id,
+                self.attempt.attempt_no,  # type: ignore[arg-type]
+                str(reconciled.path) if reconciled else None,
+            )
+        resumed = reconciled
         self.step, self.last_checkpoint = state.step, resumed
         self.reporter.event(
             "attempt_started",
