@@ -17,7 +17,6 @@ from resources import LedgerResource, MlflowResource, StorageResource, core_sett
     deps=["committed_checkpoint"],
     group_name="evaluation",
     kinds={"mlflow"},
-    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
     description="Evaluator results for exactly one committed checkpoint, logged to MLflow.",
 )
 def evaluation(
@@ -27,7 +26,8 @@ def evaluation(
     mlflow: MlflowResource,
 ) -> dg.MaterializeResult:
     from pipeline.data.snapshot import open_snapshot
-    from pipeline.evaluation import EVALUATORS, run_evaluation
+    from pipeline.evaluation import EVALUATORS, EvaluatorCrashError, run_evaluation
+    from pipeline.retry import RetryAction, decide_evaluation, policy_for_run
     from pipeline.states import EvaluationStatus
 
     checkpoint = upstream_metadata(context, "committed_checkpoint", context.partition_key)
@@ -46,16 +46,35 @@ def evaluation(
     for name, evaluator in EVALUATORS.items():
         record = done.get((name, evaluator.version))
         if record is None:
-            record = run_evaluation(
-                checkpoint_dir=checkpoint_dir,
-                snapshot=snapshot,
-                ledger=book,
-                settings=settings,
-                evaluator=evaluator,
-                run_id=checkpoint["run_id"],
-                attempt_no=int(checkpoint["attempt_no"]),
-                dagster_run_id=context.run_id,
-            )
+            try:
+                record = run_evaluation(
+                    checkpoint_dir=checkpoint_dir,
+                    snapshot=snapshot,
+                    ledger=book,
+                    settings=settings,
+                    evaluator=evaluator,
+                    run_id=checkpoint["run_id"],
+                    attempt_no=int(checkpoint["attempt_no"]),
+                    dagster_run_id=context.run_id,
+                )
+            except EvaluatorCrashError as exc:
+                # The evaluator's own budget decides; a retry re-runs this step, which skips
+                # the evaluators already complete and never touches the training.
+                so_far = book.evaluations_for_checkpoint(checkpoint["manifest_sha256"])
+                crashed = next(e for e in so_far if e.evaluation_id == exc.evaluation_id)
+                run = book.get_run(checkpoint["run_id"])
+                decision = decide_evaluation(policy_for_run(run), so_far, crashed)
+                context.log.warning(f"{exc} Next: {decision.reason}")
+                if decision.action == RetryAction.RETRY_EVALUATOR:
+                    raise dg.RetryRequested(
+                        max_retries=context.retry_number + 1,
+                        seconds_to_wait=decision.backoff_seconds,
+                    ) from exc
+                raise dg.Failure(
+                    description=f"{exc} {decision.reason}",
+                    metadata={"retry_decision": dg.MetadataValue.json(decision.to_json())},
+                    allow_retries=False,
+                ) from exc
         else:
             context.log.info(f"{name} already evaluated this checkpoint: {record.evaluation_id}")
         records.append(record)

@@ -24,7 +24,6 @@ from pipeline.checkpoint.layout import TRAINER_STATE_FILE
 from pipeline.checkpoint.manager import CheckpointConfig, CheckpointManager
 from pipeline.checkpoint.state import TrainingState, probe_logits
 from pipeline.checkpoint.verify import CheckpointContents, load_checkpoint
-from pipeline.digests import sha256_json
 
 EXIT_OK = 0
 EXIT_DOES_NOT_RESTORE = 1
@@ -116,12 +115,12 @@ def rebuild_training_state(contents: CheckpointContents, *, device: torch.device
     raw_config, config_sha256 = saved.get("config"), saved.get("config_sha256")
     if not isinstance(raw_config, dict):
         raise corrupt("has no 'config' object to rebuild the model from")
-    if sha256_json(raw_config) != config_sha256:
-        raise corrupt(f"'config' does not hash to its config_sha256 {config_sha256!r}")
     try:
         cfg = TrainConfig.from_dict(raw_config, source=f"{path / TRAINER_STATE_FILE}: config")
     except ConfigError as exc:
         raise corrupt(f"'config' does not load: {exc}") from exc
+    if cfg.sha256() != config_sha256:
+        raise corrupt(f"'config' does not hash to its config_sha256 {config_sha256!r}")
     cursor = saved.get("data_cursor")
     if not isinstance(cursor, dict) or not isinstance(cursor.get("num_examples"), int):
         raise corrupt("has no data_cursor with num_examples")
