@@ -31,9 +31,7 @@ TRAINING = {"max_steps": 400, "checkpoint_every_steps": 100}
 
 
 def one_drill(server: DagsterDev, ledger: Ledger, snapshot: str, seed: int) -> dict[str, float]:
-    dagster_run = launch_graph(
-        server, snapshot, {**TRAINING, "seed": seed}, assets=["training_attempt"]
-    )
+    dagster_run = launch_graph(server, snapshot, {**TRAINING, "seed": seed})
 
     def ready() -> str | None:
         for attempt in ledger.list_attempts(limit=20):
