@@ -15,7 +15,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -106,6 +105,7 @@ def rebuild_training_state(contents: CheckpointContents, *, device: torch.device
     from pipeline.trainer.config import ConfigError, TrainConfig
     from pipeline.trainer.data import EpochSampler
     from pipeline.trainer.model import build_model
+    from pipeline.trainer.train import build_optimizer
 
     path, saved = contents.info.path, contents.trainer_state
 
@@ -126,26 +126,7 @@ def rebuild_training_state(contents: CheckpointContents, *, device: torch.device
         raise corrupt("has no data_cursor with num_examples")
 
     model = build_model(cfg.to_dict()["model"]).to(device)
-    if cfg.optimizer == "adam":
-        optimizer: torch.optim.Optimizer = torch.optim.Adam(
-            model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
-        )
-    else:
-        optimizer = torch.optim.SGD(
-            model.parameters(),
-            lr=cfg.learning_rate,
-            momentum=cfg.momentum,
-            weight_decay=cfg.weight_decay,
-        )
-    scheduler: Any = None
-    if cfg.lr_schedule.kind == "cosine":
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
-            optimizer, T_max=cfg.max_steps, eta_min=cfg.lr_schedule.min_lr
-        )
-    elif cfg.lr_schedule.kind == "step":
-        scheduler = torch.optim.lr_scheduler.StepLR(
-            optimizer, step_size=cfg.lr_schedule.step_size, gamma=cfg.lr_schedule.gamma
-        )
+    optimizer, scheduler = build_optimizer(cfg, model)
     try:
         sampler = EpochSampler(cursor["num_examples"], cfg.batch_size, cfg.seed)
     except ValueError as exc:

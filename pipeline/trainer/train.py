@@ -282,27 +282,7 @@ class Trainer:
     def _build(self, data: TrainingData, device: torch.device) -> TrainingState:
         cfg = self.config
         model = build_model(cfg.to_dict()["model"]).to(device)
-        if cfg.optimizer == "adam":
-            optimizer: torch.optim.Optimizer = torch.optim.Adam(
-                model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
-            )
-        else:
-            optimizer = torch.optim.SGD(
-                model.parameters(),
-                lr=cfg.learning_rate,
-                momentum=cfg.momentum,
-                weight_decay=cfg.weight_decay,
-            )
-        schedule = cfg.lr_schedule
-        scheduler: Any = None
-        if schedule.kind == "cosine":
-            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
-                optimizer, T_max=cfg.max_steps, eta_min=schedule.min_lr
-            )
-        elif schedule.kind == "step":
-            scheduler = torch.optim.lr_scheduler.StepLR(
-                optimizer, step_size=schedule.step_size, gamma=schedule.gamma
-            )
+        optimizer, scheduler = build_optimizer(cfg, model)
         try:
             sampler = EpochSampler(len(data.train_labels), cfg.batch_size, cfg.seed)
         except ValueError as exc:
@@ -446,6 +426,32 @@ class Trainer:
             f"Loss became {loss} at step {step}; stopped without saving, {where}.",
             step=step,
         )
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    """The optimizer and LR scheduler (None for a constant rate) that ``cfg`` describes."""
+    if cfg.optimizer == "adam":
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(
+            model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+        )
+    else:
+        optimizer = torch.optim.SGD(
+            model.parameters(),
+            lr=cfg.learning_rate,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+        )
+    schedule = cfg.lr_schedule
+    scheduler: Any = None
+    if schedule.kind == "cosine":
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+            optimizer, T_max=cfg.max_steps, eta_min=schedule.min_lr
+        )
+    elif schedule.kind == "step":
+        scheduler = torch.optim.lr_scheduler.StepLR(
+            optimizer, step_size=schedule.step_size, gamma=schedule.gamma
+        )
+    return optimizer, scheduler
 
 
 def train_step(state: TrainingState, data: TrainingData) -> float:
