@@ -242,19 +242,6 @@ class Ledger:
             query = query.where(t.c.status == str(status))
         return self._records(query, RunRecord)
 
-    def set_run_retry_policy(self, run_id: str, policy: dict[str, Any]) -> None:
-        """Store the run's resolved retry policy (``RetryPolicy.to_json()``)."""
-        t = schema.training_runs
-        updated = self._tx(
-            lambda conn: (
-                conn.execute(
-                    sa.update(t).where(t.c.run_id == run_id).values(retry_policy=policy)
-                ).rowcount
-            )
-        )
-        if updated != 1:
-            raise UnknownRunError(run_id)
-
     def set_run_status(self, run_id: str, status: RunStatus) -> None:
         t = schema.training_runs
         self._tx(
@@ -503,10 +490,6 @@ class Ledger:
             if current is None:
                 raise UnknownRunError(run_id)
             raise StaleFencingTokenError(run_id, attempt_no, token, current)
-
-    def check_fencing_token(self, run_id: str, attempt_no: int, token: int) -> None:
-        """Raise :class:`StaleFencingTokenError` unless ``token`` is the run's current one."""
-        self._tx(lambda conn: self._require_current_token(conn, run_id, attempt_no, token))
 
     def checkpoint_writing(
         self,
