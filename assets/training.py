@@ -190,7 +190,7 @@ def training_attempt(
         "data_manifest_sha256": snapshot.manifest_sha256,
         "resumed_from_checkpoint": prepared.resume_from.path if prepared.resume_from else "none",
         "checkpoints_committed": dg.MetadataValue.json(
-            [{"step": c.get("step"), "path": c.get("path")} for c in commits]
+            [{k: c[k] for k in ("step", "path", "stall_seconds") if k in c} for c in commits]
         ),
         "config": dg.MetadataValue.json(prepared.train_config.to_dict()),
     }

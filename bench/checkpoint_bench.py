@@ -8,10 +8,14 @@ plus the two moments are 1.007 GB. One process, one training thread (as the trai
 ``torch.set_num_threads(1)``, for bit-exact resumes), no GPU. Each figure is the median of
 ``--repeats`` runs:
 
-(a) stall: time the training thread spends in ``CheckpointManager.save_async`` (staging into
-    the reused host buffers and the probe batch; the previous save had finished) ÷ a
-    synchronous ``torch.save`` + fsync of the same model and optimizer state_dicts.
-    Target <= 0.05.
+(a) stall: time the training thread is stopped by a save: inside
+    ``CheckpointManager.save_async`` (capturing RNG, cursor, JSON state; the previous save had
+    finished) plus the time the next ``optimizer.step()`` waits for the background copy of
+    parameters and Adam state into the reused host buffers, which overlaps that step's
+    forward/backward ÷ a synchronous ``torch.save`` + fsync of the same model and optimizer
+    state_dicts. Target <= 0.05. Also printed: how much longer the step after a save took
+    than the plain steps before it (the background copy, hashing and writing compete for
+    memory bandwidth; that cost is what (d) measures over whole windows).
 (b) save throughput: bytes ÷ time of ``write_and_commit`` (every file hashed, written, fsynced,
     MANIFEST.json, COMMITTED by temp file + fsync + rename + directory fsync), ÷ the same for
     a raw write(2) + fsync of the same bytes to the same files. Target >= 0.8.
@@ -258,12 +262,16 @@ def run(args: argparse.Namespace, root: Path) -> int:
     fresh_dirs()
 
     # (a) stall per save vs torch.save + fsync, interleaved ABBA.
-    stalls, torch_saves = [], []
+    stalls, torch_saves, slower = [], [], []
 
     def our_save() -> None:
-        state.step += 1
         settle()
-        stalls.append(timed(lambda: manager.save_async(state))[0])
+        plain = [timed(lambda: train_step(state, inputs, targets))[0] for _ in range(3)]
+        manager.save_async(state)
+        after = timed(lambda: train_step(state, inputs, targets))[0]
+        assert manager.last_stall is not None and manager.last_stall.step == state.step - 1
+        stalls.append(manager.last_stall.total)
+        slower.append(after - statistics.median(plain))
         manager.wait()
         fresh_dirs()
 
@@ -287,6 +295,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
             side()
     probe_seconds = timed(lambda: probe_logits(state.model, state.probe_inputs))[0]
     say(f"(a) stall {_fmt(stalls)}; torch.save+fsync {_fmt(torch_saves)}")
+    say(f"(a) the step after a save, longer than a plain one by {_fmt(slower)}")
 
     # (b) full save vs raw write + fsync of the same bytes, interleaved ABBA.
     buffers = StagingBuffers()
@@ -411,6 +420,8 @@ def run(args: argparse.Namespace, root: Path) -> int:
         else ("in the stall")
     )
     print(f"(a) the probe batch's forward pass ({probe_seconds:.3f} s) runs {where}")
+    print(f"(a) the step after a save took {statistics.median(slower):.3f} s longer than a "
+          "plain step (background copy, hashing, writing)")  # fmt: skip
     print(f"one training step: {step_seconds:.2f} s; saves every {args.save_every} steps = "
           f"every {args.save_every / med(plain):.1f} s")  # fmt: skip
     print(f"(c) warm page cache, for comparison: restore {warm_ours / 1e9:.2f} GB/s, "

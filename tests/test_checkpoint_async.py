@@ -417,3 +417,84 @@ def test_model_with_non_persistent_buffers_keeps_the_probe_on_the_training_threa
     manager.save_async(state)
     manager.wait()
     assert verify_checkpoint(checkpoint_dirs(manager.run_dir)[0]).step == 2
+
+
+def _slow_background_copy(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[str]:
+    """Delay the copy of parameters and optimizer state; returns the threads that ran it."""
+    from pipeline.checkpoint.state import CapturedCheckpoint
+
+    real = CapturedCheckpoint.finish
+    threads: list[str] = []
+
+    def slow(self: CapturedCheckpoint) -> object:
+        if self.pending:
+            threads.append(threading.current_thread().name)
+            time.sleep(seconds)
+        return real(self)
+
+    monkeypatch.setattr(CapturedCheckpoint, "finish", slow)
+    return threads
+
+
+def test_optimizer_step_waits_for_the_background_copy_of_parameters_and_optimizer_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = _data()
+    state = _state(data)
+    manager = _manager(tmp_path)
+    _steps(state, data, 2)
+    manager.save_async(state)  # the first save stages everything on the training thread
+    manager.wait()
+    threads = _slow_background_copy(monkeypatch, 0.5)
+    _steps(state, data, 3)
+    manager.save_async(state, metrics={"eval_loss": 1.0})
+    assert manager.last_stall is not None and manager.last_stall.capture < 0.4
+    _steps(state, data, 4)  # optimizer.step() must hold until the copy of step 5 is done
+    manager.wait()
+    assert threads and all(name.startswith("checkpoint-writer") for name in threads)
+    assert manager.last_stall.step == 5 and manager.last_stall.staging_wait >= 0.3
+    (newest, _) = checkpoint_dirs(manager.run_dir)
+    twin = _twin_run(tmp_path, data, 5)
+    assert _model_bytes(newest) == _model_bytes(twin)
+    assert (newest / OPTIMIZER_FILE).read_bytes() == (twin / OPTIMIZER_FILE).read_bytes()
+
+
+def test_buffers_that_forward_changes_are_captured_when_the_save_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainingState(
+        model=model,
+        optimizer=optimizer,
+        data_cursor=_Cursor(),
+        config={},
+        config_sha256="d" * 64,
+        probe_inputs=torch.randn(3, 4),
+    )
+    manager = _manager(tmp_path)
+    manager.save_async(state)
+    manager.wait()
+    _slow_background_copy(monkeypatch, 0.3)
+    state.step = 1
+    manager.save_async(state)
+    running_mean = model[1].running_mean.clone()
+    weight = model[0].weight.detach().clone()
+    model(torch.randn(16, 4)).sum().backward()  # forward moves BatchNorm's running stats
+    optimizer.step()
+    manager.wait()
+    assert not torch.equal(model[1].running_mean, running_mean)
+    saved = load_checkpoint(checkpoint_dirs(manager.run_dir)[0]).model
+    assert torch.equal(saved["1.running_mean"], running_mean)
+    assert torch.equal(saved["0.weight"], weight)
+
+
+class _Cursor:
+    def state_dict(self) -> dict[str, int]:
+        return {"position": 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass

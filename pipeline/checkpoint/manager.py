@@ -1,16 +1,20 @@
 """One owner for every checkpoint decision: when to save, what to resume from, what to keep.
 
 Saving is either synchronous (:meth:`CheckpointManager.save`) or asynchronous
-(:meth:`CheckpointManager.save_async`): the training thread stages the state into reused host
-buffers, and one background writer hashes, writes and commits it while training goes on. At
-most one save is in flight; the next save (async or not) waits for it first, because staging
-reuses its buffers. A writer's error is raised on the training thread by the next ``poll``,
-``save``, ``save_async`` or ``wait``, so it is never lost.
+(:meth:`CheckpointManager.save_async`). An async save captures on the training thread what the
+next forward/backward may change, and one background thread copies the parameters and the
+optimizer state into reused host buffers while that forward/backward runs (they change only in
+``optimizer.step()``, which an optimizer step pre-hook holds until the copy is done), then
+hashes, writes and commits the checkpoint while training goes on. At most one save is in
+flight; the next save (async or not) waits for it first, because staging reuses its buffers.
+A writer's error is raised on the training thread by the next ``poll``, ``save``,
+``save_async`` or ``wait``, so it is never lost.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -22,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -42,10 +46,12 @@ from pipeline.checkpoint.layout import (
     parse_checkpoint_dir_name,
 )
 from pipeline.checkpoint.state import (
+    CapturedCheckpoint,
     ProbeSkeleton,
     StagedCheckpoint,
     StagingBuffers,
     TrainingState,
+    capture_checkpoint,
     probe_logits,
     restore_training_state,
     stage_checkpoint,
@@ -105,6 +111,24 @@ class CheckpointConfig:
             raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
 
 
+@dataclass(frozen=True)
+class SaveStall:
+    """What one async save cost the training thread, in seconds.
+
+    ``capture``: inside ``save_async`` (waiting for the previous save included). ``staging_wait``:
+    held in ``optimizer.step()`` because the parameters and optimizer state were still being
+    copied (zero when the copy finished during forward/backward).
+    """
+
+    step: int
+    capture: float
+    staging_wait: float
+
+    @property
+    def total(self) -> float:
+        return self.capture + self.staging_wait
+
+
 class CheckpointManager:
     """Saves, finds, restores, validates and retires the checkpoints of one run.
 
@@ -137,6 +161,10 @@ class CheckpointManager:
         self._skeleton: ProbeSkeleton | bool | None = None
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
+        # Set once the save in flight no longer reads live parameters or optimizer state.
+        self._staging: threading.Event | None = None
+        self._step_hook: tuple[torch.optim.Optimizer, Any] | None = None
+        self.last_stall: SaveStall | None = None
         self._thread = threading.local()
         # What the writer thread did, told on the training thread (reporters are not shared).
         self._pending: deque[Callable[[], None]] = deque()
@@ -164,22 +192,60 @@ class CheckpointManager:
         return info
 
     def save_async(self, state: TrainingState, *, metrics: dict[str, float] | None = None) -> None:
-        """Stage ``state`` into host buffers, then hash, write and commit it in the background.
+        """Save ``state`` in the background: stage it into host buffers, hash, write, commit.
 
-        Returns once staging is done; from then on the training loop may change ``state``
-        freely, since the writer reads only the staged copy. Waits first for the previous
-        save (raising its error, if it failed): its buffers are about to be reused.
+        Returns after capturing what forward/backward may change (RNG, cursor, scheduler,
+        buffers, every JSON value). The parameters and the optimizer state are copied by the
+        background thread while the loop runs its next forward/backward; ``optimizer.step()``
+        waits for that copy (a step pre-hook), so nothing the loop does can change what gets
+        written. Code that changes parameters outside ``optimizer.step()`` calls
+        :meth:`wait_staged` first. Waits first for the previous save (raising its error, if it
+        failed): its buffers are about to be reused.
         """
+        began = time.perf_counter()
         self.wait()
-        staged = self._stage(state, metrics, defer_probe=True)
+        deferred = self._guard_optimizer(state.optimizer)
+        captured = self._capture(state, metrics, defer_probe=True, defer_stable=deferred)
+        staging = threading.Event()
         self._writer_error = None
         self._writer = threading.Thread(
             target=self._write_in_background,
-            args=(staged,),
-            name=f"checkpoint-writer-{staged.step}",
+            args=(captured, staging),
+            name=f"checkpoint-writer-{captured.staged.step}",
             daemon=True,  # never keeps a dying process alive; an unfinished save is uncommitted
         )
+        self._staging = staging
         self._writer.start()
+        capture = time.perf_counter() - began
+        self.last_stall = SaveStall(step=captured.staged.step, capture=capture, staging_wait=0.0)
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight no longer reads live parameters or optimizer state.
+
+        ``optimizer.step()`` calls this itself, through a step pre-hook.
+        """
+        staging, self._staging = self._staging, None
+        if staging is None or staging.is_set():
+            return
+        began = time.perf_counter()
+        staging.wait()
+        if self.last_stall is not None:
+            waited = self.last_stall.staging_wait + time.perf_counter() - began
+            self.last_stall = dataclasses.replace(self.last_stall, staging_wait=waited)
+
+    def _guard_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Make ``optimizer.step()`` wait for staging; False if this optimizer cannot be hooked."""
+        if self._step_hook is not None and self._step_hook[0] is optimizer:
+            return True
+        if self._step_hook is not None:
+            self._step_hook[1].remove()
+            self._step_hook = None
+        register = getattr(optimizer, "register_step_pre_hook", None)
+        if register is None:
+            return False  # not a torch.optim.Optimizer: stage everything on this thread
+        handle = register(lambda _optimizer, _args, _kwargs: self.wait_staged())
+        self._step_hook = (optimizer, handle)
+        return True
 
     @property
     def save_in_flight(self) -> bool:
@@ -197,35 +263,57 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.join()
             self._writer = None
+        self._staging = None
         self._deliver()
         error, self._writer_error = self._writer_error, None
         if error is not None:
             raise error
 
-    def _stage(
-        self, state: TrainingState, metrics: dict[str, float] | None, *, defer_probe: bool = False
-    ) -> StagedCheckpoint:
+    def _stage(self, state: TrainingState, metrics: dict[str, float] | None) -> StagedCheckpoint:
+        return self._capture(state, metrics).finish()
+
+    def _capture(
+        self,
+        state: TrainingState,
+        metrics: dict[str, float] | None,
+        *,
+        defer_probe: bool = False,
+        defer_stable: bool = False,
+    ) -> CapturedCheckpoint:
         attempt_no = self._require_attempt()
         # JSON (and PostgreSQL's json type) has no NaN or Infinity: such a metric is left out.
         finite = {k: float(v) for k, v in (metrics or {}).items() if math.isfinite(v)}
-        staged = stage_checkpoint(
+        if self._skeleton is None and defer_probe:
+            # First async save: staged whole, with the probe computed here; a skeleton that
+            # reproduces it exactly takes the probe off the training thread from then on.
+            staged = stage_checkpoint(
+                state,
+                run_id=self.run_id,
+                attempt_no=attempt_no,
+                metrics=finite,
+                buffers=self._buffers,
+            )
+            self._skeleton = ProbeSkeleton.build(state, staged) or False
+            return CapturedCheckpoint(staged=staged, pending={}, buffers=self._buffers)
+        return capture_checkpoint(
             state,
             run_id=self.run_id,
             attempt_no=attempt_no,
             metrics=finite,
             buffers=self._buffers,
             run_probe=not (defer_probe and isinstance(self._skeleton, ProbeSkeleton)),
+            defer_stable=defer_stable,
         )
-        if self._skeleton is None and defer_probe:
-            # First async save: the probe is computed here; a skeleton that reproduces it
-            # exactly takes that work off the training thread from the next save on.
-            self._skeleton = ProbeSkeleton.build(state, staged) or False
-        return staged
 
-    def _write_in_background(self, staged: StagedCheckpoint) -> None:
+    def _write_in_background(self, captured: CapturedCheckpoint, staging: threading.Event) -> None:
         self._thread.is_writer = True
-        _lower_priority()
         try:
+            try:
+                # At normal priority: the training loop may be waiting for it in optimizer.step.
+                staged = captured.finish()
+            finally:
+                staging.set()
+            _lower_priority()
             self.write_and_commit(staged)
         except BaseException as exc:  # raised on the training thread by poll/wait/save
             self._writer_error = exc

@@ -1,13 +1,23 @@
 """What a checkpoint holds: the list of stateful objects, and staging them to host memory.
 
-Staging (copy every tensor to host memory, encode the rest as JSON, run the probe) happens on
-the training thread and is all a save needs from live objects. Writing the staged copy touches
-only host memory, which is why a background writer may do it while training goes on: once
-``stage_checkpoint`` returns, nothing the training loop does can change what gets written.
+Staging (copy every tensor to host memory, encode the rest as JSON, run the probe) is all a
+save needs from live objects. Writing the staged copy touches only host memory, which is why a
+background writer may do it while training goes on.
+
+Staging has two halves (:func:`capture_checkpoint`, then :meth:`CapturedCheckpoint.finish`).
+The capture runs on the training thread and copies everything the next forward or backward
+pass may change: the RNG, the data cursor, the LR scheduler, the grad scaler, every JSON value
+and the model's buffers (BatchNorm updates its running statistics in forward). What remains
+are the model's parameters and the optimizer's state, by far the bulk of the bytes, which
+change only inside ``optimizer.step()``: forward and backward read them and write gradients.
+So their copy may run beside the next forward/backward, provided ``optimizer.step()`` waits
+for it; :class:`~pipeline.checkpoint.manager.CheckpointManager` enforces that with an
+optimizer step pre-hook. This is the overlap DataStates-LLM calls lazy snapshotting.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -168,17 +178,82 @@ def stage_checkpoint(
     With ``run_probe=False`` the logits are left for :class:`ProbeSkeleton` to compute from
     the staged weights (``probe_pending``).
     """
+    return capture_checkpoint(
+        state,
+        run_id=run_id,
+        attempt_no=attempt_no,
+        metrics=metrics,
+        buffers=buffers,
+        run_probe=run_probe,
+    ).finish()
 
-    def host(key: str, tensor: torch.Tensor) -> torch.Tensor:
-        return buffers.copy(key, tensor) if buffers is not None else _to_host(tensor)
 
-    model_tensors = {k: host(f"model.{k}", v) for k, v in state.model.state_dict().items()}
+@dataclass(frozen=True)
+class CapturedCheckpoint:
+    """A checkpoint whose step-stable tensors are still to be copied (see the module doc).
+
+    ``model`` and ``training_tensors`` hold host copies of everything except the keys in
+    ``pending``, which still alias live parameters and optimizer state until :meth:`finish`.
+    """
+
+    staged: StagedCheckpoint
+    pending: dict[str, torch.Tensor]
+    buffers: StagingBuffers | None
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.pending.values())
+
+    def finish(self) -> StagedCheckpoint:
+        """Copy the pending tensors to host memory: the staged checkpoint, aliasing nothing live.
+
+        May run on another thread, but must be done before the live tensors next change.
+        """
+        if not self.pending:
+            return self.staged
+        copies = {k: _host_copy(self.buffers, k, t) for k, t in self.pending.items()}
+        model = {k: copies.get(f"model.{k}", v) for k, v in self.staged.model.items()}
+        training = {k: copies.get(k, v) for k, v in self.staged.training_tensors.items()}
+        return dataclasses.replace(self.staged, model=model, training_tensors=training)
+
+
+def capture_checkpoint(
+    state: TrainingState,
+    *,
+    run_id: str,
+    attempt_no: int,
+    metrics: dict[str, float] | None = None,
+    buffers: StagingBuffers | None = None,
+    run_probe: bool = True,
+    defer_stable: bool = False,
+) -> CapturedCheckpoint:
+    """Stage what forward/backward may change; with ``defer_stable``, leave the rest pending.
+
+    Without ``defer_stable`` nothing is pending: the capture is the whole staging.
+    """
+    stable: set[int] = set()
+    if defer_stable:
+        stable = {p.data_ptr() for p in state.model.parameters()}
+    pending: dict[str, torch.Tensor] = {}
+
+    def host(key: str, tensor: torch.Tensor, *, later: bool) -> torch.Tensor:
+        if later:
+            pending[key] = tensor.detach()
+            return pending[key]
+        return _host_copy(buffers, key, tensor)
+
+    model_tensors = {
+        k: host(f"model.{k}", v, later=v.data_ptr() in stable)
+        for k, v in state.model.state_dict().items()
+    }
     components: dict[str, Any] = {}
     training_tensors: dict[str, torch.Tensor] = {}
     for name, part in state.stateful().items():
         encoded, tensors = encode_state(part.state_dict(), name)
         components[name] = encoded
-        training_tensors.update({k: host(k, v) for k, v in tensors.items()})
+        # The optimizer's state changes only in optimizer.step(), like the parameters.
+        later = defer_stable and name == "optimizer"
+        training_tensors.update({k: host(k, v, later=later) for k, v in tensors.items()})
     probe_inputs = _to_host(state.probe_inputs)
     logits = probe_logits(state.model, probe_inputs) if run_probe else torch.empty(0)
     trainer_state = {
@@ -193,7 +268,7 @@ def stage_checkpoint(
         "metrics": dict(metrics or {}),
         **components,
     }
-    return StagedCheckpoint(
+    staged = StagedCheckpoint(
         step=state.step,
         model=model_tensors,
         training_tensors=training_tensors,
@@ -203,6 +278,11 @@ def stage_checkpoint(
         metrics=dict(metrics or {}),
         probe_pending=not run_probe,
     )
+    return CapturedCheckpoint(staged=staged, pending=pending, buffers=buffers)
+
+
+def _host_copy(buffers: StagingBuffers | None, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    return buffers.copy(key, tensor) if buffers is not None else _to_host(tensor)
 
 
 def restore_training_state(
@@ -278,8 +358,6 @@ class ProbeSkeleton:
 
     def complete(self, staged: StagedCheckpoint) -> StagedCheckpoint:
         """``staged`` with its probe logits computed from its own weights."""
-        import dataclasses
-
         if not staged.probe_pending:
             return staged
         logits = self.logits(staged.model, staged.probe["inputs"])

@@ -209,6 +209,7 @@ class Trainer:
         self.data: TrainingData | None = None
         self.on_gpu = config.device == "cuda"
         self.last_checkpoint: CheckpointInfo | None = None
+        self._manager: CheckpointManager | None = None
 
     @property
     def last_checkpoint_path(self) -> str | None:
@@ -233,6 +234,7 @@ class Trainer:
             on_event=self._checkpoint_event,
             on_commit=self._checkpoint_committed,
         )
+        self._manager = manager
         resumed = manager.resume(state)
         self.step, self.last_checkpoint = state.step, resumed
         if resumed is not None and state.step >= cfg.max_steps:
@@ -387,17 +389,20 @@ class Trainer:
     def _checkpoint_committed(self, info: CheckpointInfo) -> None:
         # Called on the training thread, also for saves the background writer committed.
         self.last_checkpoint = info
-        self.reporter.checkpoint_committed(
-            {
-                "run_id": info.run_id,
-                "attempt_no": info.attempt_no,
-                "step": info.step,
-                "path": str(info.path),
-                "manifest_sha256": info.manifest_sha256,
-                "bytes": info.size_bytes,
-                "metrics": info.metrics,
-            }
-        )
+        fields: dict[str, Any] = {
+            "run_id": info.run_id,
+            "attempt_no": info.attempt_no,
+            "step": info.step,
+            "path": str(info.path),
+            "manifest_sha256": info.manifest_sha256,
+            "bytes": info.size_bytes,
+            "metrics": info.metrics,
+        }
+        stall = self._manager.last_stall if self._manager is not None else None
+        if stall is not None and stall.step == info.step:
+            # What this (async) save cost the training loop: capture + wait in optimizer.step.
+            fields["stall_seconds"] = round(stall.total, 4)
+        self.reporter.checkpoint_committed(fields)
         self.attempt.heartbeat(self.step or info.step, force=True)
 
     def _settle(self, manager: CheckpointManager) -> None:
