@@ -200,10 +200,6 @@ class CapturedCheckpoint:
     pending: dict[str, torch.Tensor]
     buffers: StagingBuffers | None
 
-    @property
-    def pending_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.pending.values())
-
     def finish(self) -> StagedCheckpoint:
         """Copy the pending tensors to host memory: the staged checkpoint, aliasing nothing live.
 

@@ -246,12 +246,12 @@ def load_checkpoint(directory: str | Path) -> CheckpointContents:
     is caught. The tensors returned are views into those buffers (no copy).
     """
     info, listed = _verify_layout(directory)
-    wanted = [
-        n for n in listed if n in (TRAINER_STATE_FILE, MODEL_FILE, OPTIMIZER_FILE, PROBE_FILE)
-    ]
     # Two files are read and hashed side by side, largest first: one sha256 runs on one core,
     # and on a fast disk hashing, not reading, is what bounds a restore.
-    wanted.sort(key=lambda name: -int(listed[name]["size"]))
+    wanted = sorted(
+        (n for n in listed if n in (TRAINER_STATE_FILE, MODEL_FILE, OPTIMIZER_FILE, PROBE_FILE)),
+        key=lambda name: -int(listed[name]["size"]),
+    )
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-read") as pool:
         futures = {
             name: pool.submit(
