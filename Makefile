@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export TRACKS_HOME ?= $(CURDIR)/.tracks
 export DAGSTER_HOME ?= $(TRACKS_HOME)/dagster
 
-.PHONY: install demo test lint dev clean
+.PHONY: install demo test lint dev clean browser screenshots mlflow-ui
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,24 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
-	$(BIN)/pytest
+# Two workers (the machine has two cores), longest tests first; the tests that restart the
+# shared PostgreSQL server run alone afterwards.
+test: lint browser
+	$(BIN)/pytest -n 2 --dist worksteal -m "not serial"
+	$(BIN)/pytest -m serial
+
+# The browser test drives Debian's chromium (Playwright's own download is not reachable here).
+browser:
+	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
+
+# Runs the browser test and keeps its screenshots (the README shows two of them).
+screenshots: install browser
+	TRACKS_SCREENSHOTS=$(CURDIR)/docs/screenshots $(BIN)/pytest -q tests/test_ui_browser.py
+
+# MLflow's own UI over the same store `make demo` writes: compare runs, curves, model versions.
+mlflow-ui: install
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(TRACKS_HOME)/mlflow.db \
+		--default-artifact-root $(TRACKS_HOME)/mlartifacts -h 127.0.0.1 -p 5000
 
 dev: install
 	$(BIN)/tracks instance init

@@ -7,7 +7,7 @@ from typing import Any
 import dagster as dg
 
 from assets.partitions import snapshot_partitions
-from resources import StorageResource
+from resources import LedgerResource, StorageResource
 
 SCHEMA_CONTRACT = "schema_contract"
 DATA_QUALITY = "data_quality"
@@ -19,7 +19,9 @@ class SnapshotConfig(dg.Config):
     """Folder of landing Parquet files; defaults to the deployment's landing folder."""
 
 
-def _check_result(name: str, outcome: Any, severity: dg.AssetCheckSeverity) -> dg.AssetCheckResult:
+def _check_result(
+    name: str, outcome: Any, severity: dg.AssetCheckSeverity, **extra: Any
+) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         check_name=name,
         passed=outcome.passed,
@@ -28,18 +30,24 @@ def _check_result(name: str, outcome: Any, severity: dg.AssetCheckSeverity) -> d
         metadata={
             "summary": dg.MetadataValue.text(outcome.summary),
             "failures": dg.MetadataValue.json([f.to_dict() for f in outcome.failures]),
+            **extra,
         },
     )
 
 
-def _previous_snapshot_frame(storage: StorageResource, current_id: str) -> Any:
-    from pipeline.data.snapshot import list_snapshots, read_snapshot_frame
+def _baseline(storage: StorageResource, current_id: str, ledger: Any) -> Any:
+    """The newest earlier snapshot whose blocking checks passed, or None: drift's baseline.
 
-    # Drift only warns: an unreadable older snapshot must not fail this one, so no verification.
-    previous = [s for s in list_snapshots(storage.snapshots()) if s.snapshot_id != current_id]
-    if not previous:
-        return None
-    return read_snapshot_frame(previous[-1], verify=False)
+    A snapshot that failed its checks is no baseline (drift against bad data says nothing).
+    """
+    from pipeline.data.gate import passed_checks
+    from pipeline.data.snapshot import list_snapshots
+
+    earlier = [s for s in list_snapshots(storage.snapshots()) if s.snapshot_id != current_id]
+    for snapshot in reversed(earlier):
+        if passed_checks(snapshot, snapshot_root=storage.snapshots(), ledger=ledger):
+            return snapshot
+    return None
 
 
 @dg.asset(
@@ -68,10 +76,14 @@ def _previous_snapshot_frame(storage: StorageResource, current_id: str) -> Any:
     ],
 )
 def data_snapshot(
-    context: dg.AssetExecutionContext, config: SnapshotConfig, storage: StorageResource
+    context: dg.AssetExecutionContext,
+    config: SnapshotConfig,
+    storage: StorageResource,
+    ledger: LedgerResource,
 ) -> Iterator[dg.MaterializeResult | dg.AssetCheckResult]:
     from pipeline.data.contract import check_schema_contract
     from pipeline.data.drift import drift_vs_previous
+    from pipeline.data.gate import CheckVerdict, content_sha256, record_verdict
     from pipeline.data.quality import check_data_quality
     from pipeline.data.snapshot import create_snapshot, read_snapshot_frame
 
@@ -86,6 +98,7 @@ def data_snapshot(
             "snapshot_id": snapshot.snapshot_id,
             "path": dg.MetadataValue.path(str(snapshot.path)),
             "manifest_sha256": snapshot.manifest_sha256,
+            "content_sha256": content_sha256(snapshot),
             "dagster/row_count": snapshot.row_count,
             "files": dg.MetadataValue.md(
                 "\n".join(
@@ -102,9 +115,33 @@ def data_snapshot(
         },
         data_version=dg.DataVersion(snapshot.manifest_sha256),
     )
-    yield _check_result(SCHEMA_CONTRACT, check_schema_contract(frame), dg.AssetCheckSeverity.ERROR)
-    yield _check_result(DATA_QUALITY, check_data_quality(frame), dg.AssetCheckSeverity.ERROR)
-    previous = _previous_snapshot_frame(storage, snapshot.snapshot_id)
+    book = ledger.ledger()
+    contract, quality = check_schema_contract(frame), check_data_quality(frame)
+    baseline = _baseline(storage, snapshot.snapshot_id, book)
+    # Drift only warns: an unreadable baseline must not fail this one, so no verification.
+    drift = drift_vs_previous(
+        frame, read_snapshot_frame(baseline, verify=False) if baseline else None
+    )
+    # The verdict is recorded for this exact manifest before the results are yielded: every
+    # path that trains (this run's, a later one's, the trainer CLI's) requires it.
+    record_verdict(
+        snapshot,
+        [
+            CheckVerdict.of(contract, blocking=True),
+            CheckVerdict.of(quality, blocking=True),
+            CheckVerdict.of(drift, blocking=False),
+        ],
+        snapshot_root=storage.snapshots(),
+        ledger=book,
+        dagster_run_id=context.run_id,
+    )
+    yield _check_result(SCHEMA_CONTRACT, contract, dg.AssetCheckSeverity.ERROR)
+    yield _check_result(DATA_QUALITY, quality, dg.AssetCheckSeverity.ERROR)
+    # Named, so a person reading the warning knows what it was compared with.
     yield _check_result(
-        DRIFT_VS_PREVIOUS, drift_vs_previous(frame, previous), dg.AssetCheckSeverity.WARN
+        DRIFT_VS_PREVIOUS,
+        drift,
+        dg.AssetCheckSeverity.WARN,
+        baseline_snapshot_id=baseline.snapshot_id if baseline else "none (first passing snapshot)",
+        baseline_manifest_sha256=baseline.manifest_sha256 if baseline else "none",
     )

@@ -4,11 +4,13 @@ Separate from training so an evaluator crash retries the evaluator, never the tr
 """
 
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
 from assets.lineage import upstream_metadata
 from assets.partitions import snapshot_partitions
+from pipeline.plots import confusion_matrix_markdown, table_markdown
 from resources import LedgerResource, MlflowResource, StorageResource, core_settings
 
 
@@ -94,4 +96,38 @@ def evaluation(
     for r in records:
         for key, value in (r.metrics or {}).items():
             metadata[f"{r.evaluator_name}/{key}"] = float(value)
+        if r.slice_metrics:
+            metadata[f"{r.evaluator_name}/slices"] = dg.MetadataValue.md(_slices_markdown(r))
+        matrix = _confusion_matrix(r)
+        if matrix is not None:
+            labels = list(range(len(matrix)))
+            metadata[f"{r.evaluator_name}/confusion_matrix"] = dg.MetadataValue.md(
+                confusion_matrix_markdown(matrix, labels)
+            )
     return dg.MaterializeResult(metadata=metadata)
+
+
+def _slices_markdown(record: Any) -> str:
+    """One row per slice (a class, a noise level), one column per metric."""
+    slices = record.slice_metrics or {}
+    metrics = sorted({m for values in slices.values() for m in values})
+    return table_markdown(
+        ["slice", *metrics], [[name, *[values.get(m, "—") for m in metrics]]
+                              for name, values in sorted(slices.items())]
+    )  # fmt: skip
+
+
+def _confusion_matrix(record: Any) -> list[list[int]] | None:
+    # Written with the evaluation's artifacts (metrics.json beside raw outputs); a picture is
+    # worth trying, never worth failing the asset over.
+    if not record.raw_outputs_uri:
+        return None
+    try:
+        import mlflow
+
+        from pipeline.evaluation.artifacts import METRICS
+
+        uri = record.raw_outputs_uri.rsplit("/", 1)[0] + f"/{METRICS}"
+        return mlflow.artifacts.load_dict(uri).get("confusion_matrix")
+    except Exception:
+        return None

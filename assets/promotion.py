@@ -1,6 +1,7 @@
 """``promoted_model``: the gate between an evaluated checkpoint and the served model."""
 
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
@@ -56,6 +57,7 @@ def promoted_model(
         "checkpoint_manifest_sha256": decision.checkpoint_manifest_sha256,
         "evaluation_ids": dg.MetadataValue.json(list(decision.evaluation_ids)),
         "gate": dg.MetadataValue.json(decision.gate),
+        "decision_against_champion": dg.MetadataValue.md(_gate_markdown(decision)),
     }
     if decision.decision != PromotionDecision.PROMOTED:
         # The refusal is already in the ledger; failing the step makes the run say why.
@@ -66,3 +68,28 @@ def promoted_model(
         )
     context.log.info(f"{decision.model_name} version {decision.model_version} is now champion")
     return dg.MaterializeResult(metadata=metadata)
+
+
+def _gate_markdown(decision: Any) -> str:
+    """The gate's rules as a table: each threshold, and each slice against the champion."""
+    from pipeline.plots import table_markdown
+
+    gate = decision.gate or {}
+    rows = [
+        [c["metric"], "—" if c.get("value") is None else c["value"], f">= {c['threshold']}",
+         "passed" if c.get("passed") else "**failed**"]
+        for c in gate.get("thresholds", [])
+    ]  # fmt: skip
+    for s in gate.get("slice_comparisons", []):
+        rows.append(
+            [f"{s['evaluator']} slice {s['slice']}", s["candidate"],
+             f"champion {s['champion']} (no bigger drop)",
+             "**regressed**" if s.get("regressed") else "passed"]
+        )  # fmt: skip
+    against = (
+        f"against champion version {gate['champion_version']}"
+        if gate.get("champion_version")
+        else "no champion yet to compare slices against"
+    )
+    verdict = f"**{decision.decision}** ({against}) — {decision.reason}"
+    return verdict + "\n\n" + table_markdown(["rule", "this checkpoint", "needs", "result"], rows)

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from pipeline import ids
+from pipeline.checkpoint import layout
 from pipeline.data.snapshot import Snapshot
 from pipeline.environment import code_commit, container_digest, placement
 from pipeline.ledger import AttemptRecord, AttemptStart, CheckpointRecord, Ledger, RunRecord
@@ -28,6 +30,7 @@ from pipeline.retry import (
     RetryAction,
     RetryDecision,
     RetryPolicy,
+    config_changes,
     decide,
     policy_for_run,
     record_decision,
@@ -59,16 +62,28 @@ class PreparedAttempt:
     resume_from: CheckpointRecord | None
     oom_kills_before: int | None
 
-    def trainer_args(self, store: Path, ledger_url: str) -> list[str]:
-        """The trainer's command-line contract for this attempt."""
+    def trainer_args(self, store: Path) -> list[str]:
+        """The trainer's command-line contract for this attempt (no secrets: argv is public)."""
         return [
             "--config", str(self.config_path),
             "--run-id", self.run.run_id,
             "--store", str(store),
-            "--ledger-url", ledger_url,
             "--attempt-no", str(self.attempt.attempt_no),
             "--fencing-token", str(self.attempt.fencing_token),
         ]  # fmt: skip
+
+    @staticmethod
+    def trainer_env(
+        ledger_url: str, mlflow_uri: str | None = None, mlflow_artifacts: str | None = None
+    ) -> dict[str, str]:
+        """What the trainer reads from its environment: URLs, which may hold a password,
+        travel here and never on the command line (`ps` shows argv to every user)."""
+        env = {LEDGER_URL_ENV: ledger_url}
+        if mlflow_uri:
+            env["TRACKS_MLFLOW_URI"] = mlflow_uri
+        if mlflow_artifacts:
+            env["TRACKS_MLFLOW_ARTIFACTS"] = mlflow_artifacts
+        return env
 
 
 @dataclass(frozen=True)
@@ -86,6 +101,7 @@ class FinishedAttempt:
 
 def new_run_id(model_family: str, snapshot_id: str) -> str:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    ids.model_family(model_family)
     return f"{model_family}-{snapshot_id.split('-')[-1][:8]}-{stamp}-{secrets.token_hex(2)}"
 
 
@@ -100,8 +116,14 @@ def prepare_attempt(
     purpose: Purpose | str = Purpose.BASELINE,
     retry_policy: RetryPolicy | None = None,
     dagster_run_id: str | None = None,
+    launched_by: dict[str, Any] | None = None,
 ) -> PreparedAttempt:
     """Create the run (or continue ``run_id``) and open the next attempt's receipt.
+
+    ``launched_by`` is the evidence of who or what launched it (``{"via": "sensor:…" |
+    "schedule:…" | "ui" | "cli" | …, "dagster_run_id": …}``); the receipt also keeps which rule
+    admitted it (``admission``): a new run, or the retry decision that allows this continuation,
+    a person's relaunch after a ``stop`` included.
 
     Continuing a run first asks the retry policy about its last ended attempt with the config
     the new attempt would use, so an OOM retried with an unchanged batch is refused here,
@@ -119,11 +141,12 @@ def prepare_attempt(
             code_commit=code_commit(),
             retry_policy=(retry_policy or RetryPolicy()).to_json(),
         )
+        admission: dict[str, Any] = {"rule": "new run", "reason": "a new run starts fresh"}
     else:
-        run = ledger.get_run(run_id)
-        _refuse_unless_policy_allows(ledger, run, resolved)
+        run = ledger.get_run(ids.run_id(run_id))
+        admission = _refuse_unless_policy_allows(ledger, run, resolved)
 
-    run_dir = work_root / run.run_id
+    run_dir = layout.run_dir(work_root, run.run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / f"config-{train_config.sha256()[:12]}.yaml"
     config_path.write_text(yaml.safe_dump(resolved, sort_keys=True))
@@ -140,6 +163,8 @@ def prepare_attempt(
             dagster_run_id=dagster_run_id,
             code_commit=run.code_commit,
             resumed_from_checkpoint=resume_from.path if resume_from else None,
+            launched_by={**(launched_by or {"via": "api"}), "dagster_run_id": dagster_run_id},
+            admission=admission,
         ),
     )
     return PreparedAttempt(
@@ -154,18 +179,43 @@ def prepare_attempt(
 
 def _refuse_unless_policy_allows(
     ledger: Ledger, run: RunRecord, next_config: dict[str, Any]
-) -> None:
+) -> dict[str, Any]:
+    """Raise unless the retry policy admits another attempt; else say which rule admitted it."""
     attempts = ledger.attempts(run.run_id)
     last = attempts[-1] if attempts else None
-    if last is None or last.termination_reason is None:
-        return  # nothing ended yet (or still running: the fencing token settles who wins)
+    if last is None:
+        return {"rule": "first attempt", "reason": "the run had no attempt yet"}
+    if last.termination_reason is None:
+        # Still running: the fencing token settles who wins.
+        return {
+            "rule": "fencing",
+            "reason": f"attempt {last.attempt_no} is still open; the new token fences it",
+        }
     decision = decide(
         policy_for_run(run), attempts, last, next_config, checkpoints=ledger.checkpoints(run.run_id)
     )
+    admitted = {
+        "after_attempt": last.attempt_no,
+        "after_decision": (last.retry_decision or {}).get("action"),
+        "decision": str(decision.action),
+        "rule": decision.rule,
+        "reason": decision.reason,
+        "config_changes": config_changes(last.config_snapshot, next_config),
+    }
     if decision.action == RetryAction.NONE:
-        return  # the run already succeeded; a new attempt resumes at max_steps and ends at once
+        # The run already succeeded; a new attempt resumes at max_steps and ends at once.
+        return admitted
     if not decision.continues:
         raise AttemptRefusedError(run.run_id, decision)
+    return admitted
+
+
+LEDGER_URL_ENV = "TRACKS_LEDGER_URL"
+
+
+def _words_field(words: dict[str, Any] | None, key: str, kind: type) -> Any:
+    value = (words or {}).get(key)
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
 def finish_attempt(
@@ -184,11 +234,18 @@ def finish_attempt(
     run_id, attempt_no = prepared.run.run_id, prepared.attempt.attempt_no
     latest = ledger.latest_committed_checkpoint(run_id)
     last_step = latest.step if latest else None
+    words = read_last_words(last_words_path(store, run_id, attempt_no))
+    # Evidence first: a trainer that caught SIGTERM exits 75 on its own, so the process shows no
+    # signal, but its last words name the one it received; they also name the step it reached.
+    signal_name = signal_name or _words_field(words, "signal", str)
+    reached = _words_field(words, "step", int)
+    if reached is not None and (last_step is None or reached > last_step):
+        last_step = reached
     wall = (datetime.now(UTC) - prepared.attempt.started_at).total_seconds()
     termination = classify_exit(
         returncode=-1 if returncode is None else returncode,
         signal_name=signal_name,
-        last_words=read_last_words(last_words_path(store, run_id, attempt_no)),
+        last_words=words,
         cancelled=cancelled,
         last_committed_step=last_step,
         cgroup_oom_kills=oom_kills_since(prepared.oom_kills_before),
@@ -215,7 +272,7 @@ def finish_attempt(
     )
     record_decision(ledger, ended, decision)
     if termination.reason == TerminationReason.SUCCEEDED:
-        ledger.set_run_status(run_id, RunStatus.SUCCEEDED)
+        ledger.set_run_status(run_id, RunStatus.TRAINED)
     elif not decision.continues:
         ledger.set_run_status(run_id, RunStatus.FAILED)
     return FinishedAttempt(

@@ -6,20 +6,24 @@ imported inside those commands so the rest of the CLI works without an orchestra
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
+from typing import Any
 
 import click
 
+from pipeline import ids, redact
 from pipeline.settings import TracksSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 LOCAL_INSTANCE_YAML = """\
 # Written by `tracks instance init`: the embedded default instance (SQLite, local files).
-# For PostgreSQL, run `tracks instance init --postgres` (copies the repository's dagster.yaml).
+# For PostgreSQL, run `tracks instance init --postgres` (copies deploy/dagster-postgres.yaml).
 telemetry:
   enabled: false
 run_retries:
@@ -45,7 +49,67 @@ def _dagster_home(settings: TracksSettings) -> Path:
     return home
 
 
-@click.group()
+class TracksGroup(click.Group):
+    """Every error a command raises becomes one redacted line on stderr, never a traceback.
+
+    ``TRACKS_DEBUG=1`` shows the traceback too (redacted as well), for a bug report.
+    """
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt:
+            raise click.exceptions.Abort() from None
+        except Exception as exc:
+            if os.environ.get("TRACKS_DEBUG"):
+                click.echo(redact.text(traceback.format_exc()), err=True)
+            raise click.ClickException(_one_line(exc)) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if len(text) > 600:
+        text = text[:600] + "…"
+    return redact.text(text)
+
+
+class _IdType(click.ParamType):
+    """A click type over one of :mod:`pipeline.ids`' validators: a bad id is a usage error."""
+
+    def __init__(self, name: str, validate: Any) -> None:
+        self.name = name
+        self._validate = validate
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            return self._validate(value)
+        except ids.InvalidIdError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class PositiveNumber(click.ParamType):
+    """A finite number > 0: `--days -1`, `nan` and `inf` are usage errors, not empty answers."""
+
+    name = "positive number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number) or number <= 0:
+            self.fail(f"{value!r} must be a finite number greater than 0", param, ctx)
+        return number
+
+
+RUN_ID = _IdType("run id", ids.run_id)
+FAMILY = _IdType("model family", ids.model_family)
+LANDING_FILE = _IdType("file name", ids.landing_file_name)
+
+
+@click.group(cls=TracksGroup)
 def main() -> None:
     """Tracks: train, evaluate and promote PyTorch models, and leave a receipt for every attempt."""
 
@@ -64,7 +128,7 @@ def landing() -> None:
     type=click.Choice(["renamed_column", "label_out_of_range", "pixel_out_of_range", "nulls"]),
     help="Write bad data on purpose (drills, tests).",
 )
-@click.option("--file-name", help="Name of the Parquet file to write.")
+@click.option("--file-name", type=LANDING_FILE, help="Name of the Parquet file to write.")
 def landing_digits(landing_dir: Path | None, drift: str | None, file_name: str | None) -> None:
     """Write scikit-learn's handwritten digits as a landing Parquet file."""
     from pipeline.data.landing import Drift, write_digits_landing
@@ -89,7 +153,9 @@ def instance() -> None:
 
 
 @instance.command("init")
-@click.option("--postgres", is_flag=True, help="Use the repository's dagster.yaml (PostgreSQL).")
+@click.option(
+    "--postgres", is_flag=True, help="Use deploy/dagster-postgres.yaml (PostgreSQL storage)."
+)
 def instance_init(postgres: bool) -> None:
     """Write dagster.yaml into DAGSTER_HOME (default $TRACKS_HOME/dagster)."""
     home = _dagster_home(_settings())
@@ -101,7 +167,7 @@ def _write_instance_yaml(home: Path, *, postgres: bool) -> None:
     home.mkdir(parents=True, exist_ok=True)
     target = home / "dagster.yaml"
     if postgres:
-        shutil.copyfile(REPO_ROOT / "dagster.yaml", target)
+        shutil.copyfile(REPO_ROOT / "deploy" / "dagster-postgres.yaml", target)
     elif not target.exists():
         target.write_text(LOCAL_INSTANCE_YAML)
 
@@ -129,7 +195,9 @@ def demo(fresh_data: bool) -> None:
     from sensors import materialize_snapshot
 
     with dg.DagsterInstance.get() as dagster_instance:
-        result = materialize_snapshot(defs, dagster_instance, snapshot)
+        result = materialize_snapshot(
+            defs, dagster_instance, snapshot, tags={"tracks/launched_by": "cli:tracks demo"}
+        )
         if not result.success:
             for event in result.all_events:
                 if event.is_step_failure and event.step_failure_data:
@@ -143,6 +211,19 @@ def demo(fresh_data: bool) -> None:
     click.echo(
         f"champion: {promotion['model_name'].value} version {promotion['model_version'].value} "
         f"(models:/{promotion['model_name'].value}@champion)"
+    )
+    # Served the way production serves it: every byte verified against the promotion record.
+    from pipeline.data.snapshot import open_snapshot, read_snapshot_frame
+    from pipeline.serving.champion import load_champion
+
+    served = load_champion(settings, _ledger(settings), promotion["model_name"].value)
+    frame = read_snapshot_frame(open_snapshot(settings.snapshot_root / snapshot))
+    held_out = frame[frame["split"] == "eval"]
+    pixels = held_out[[f"px_{i:02d}" for i in range(64)]].to_numpy()
+    accuracy = float((served.predict(pixels) == held_out["label"].to_numpy()).mean())
+    click.echo(
+        f"served version {served.version} after verifying its files against promotion "
+        f"{served.promotion_id}: {accuracy:.1%} on the {len(held_out)} held-out digits"
     )
     click.echo("")
     click.echo(explain(_ledger(settings), promotion["run_id"].value))
@@ -178,13 +259,17 @@ def canary(max_steps: int, max_minutes: float) -> None:
 @main.command("explain")
 @click.argument("target")
 @click.option(
-    "--output", type=click.Path(dir_okay=False, path_type=Path), help="Also write the page here."
+    "--output",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    help="Also write the page here (its folder must exist).",
 )
 def explain_cmd(target: str, output: Path | None) -> None:
     """The one-page story of a run (RUN_ID) or an attempt (RUN_ID#N), as Markdown."""
     from pipeline.explain import explain
     from pipeline.ledger import LedgerError
 
+    if output is not None and not output.resolve().parent.is_dir():
+        raise click.BadParameter(f"folder {output.parent} does not exist", param_hint="--output")
     try:
         page = explain(_ledger(_settings()), target)
     except LedgerError as exc:
@@ -201,12 +286,16 @@ def _reason_choices() -> list[str]:
 
 
 @main.command("attempts")
-@click.option("--family", help="Model family.")
+@click.option("--family", type=FAMILY, help="Model family.")
 @click.option("--reason", type=click.Choice(_reason_choices()), help="Termination reason.")
-@click.option("--status", type=click.Choice(["running", "succeeded", "failed"]))
-@click.option("--since", "since_days", type=float, help="Started within the last DAYS days.")
-@click.option("--run", "run_id", help="Only this run's attempts.")
-@click.option("--limit", default=20, show_default=True)
+@click.option(
+    "--status", type=click.Choice(["running", "succeeded", "failed"]), help="Attempt status."
+)
+@click.option(
+    "--since", "since_days", type=PositiveNumber(), help="Started within the last DAYS days."
+)
+@click.option("--run", "run_id", type=RUN_ID, help="Only this run's attempts.")
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 10_000))
 def attempts_cmd(
     family: str | None,
     reason: str | None,
@@ -227,13 +316,14 @@ def attempts_cmd(
         run_id=run_id,
         limit=limit,
     )
+    _echo_blocked_snapshots(since)
     if not rows:
         click.echo("No attempts match.")
         return
     width = max(len("attempt"), *(len(a.key) for a in rows))
     click.echo(
         f"{'attempt':<{width}}  {'started (UTC)':<19}  {'reason':<16}  {'GPU-h':>7}  "
-        f"{'decision':<34}  detail"
+        f"{'CPU-h':>7}  {'decision':<34}  detail"
     )
     for a in rows:
         decision = a.retry_decision or {}
@@ -241,30 +331,47 @@ def attempts_cmd(
         click.echo(
             f"{a.key:<{width}}  {a.started_at:%Y-%m-%d %H:%M:%S}  "
             f"{a.termination_reason or a.status:<16}  {a.gpu_seconds / 3600:>7.2f}  "
-            f"{decided:<34}  {a.termination_detail or ''}"
+            f"{a.cpu_seconds / 3600:>7.3f}  {decided:<34}  {a.termination_detail or ''}"
         )
 
 
 @main.command("cost")
-@click.option("--family", required=True, help="Model family.")
-@click.option("--days", default=7.0, show_default=True, type=float, help="Started within DAYS.")
+@click.option("--family", required=True, type=FAMILY, help="Model family.")
+@click.option(
+    "--days", default=7.0, show_default=True, type=PositiveNumber(), help="Started within DAYS."
+)
 def cost_cmd(family: str, days: float) -> None:
-    """Attempts and GPU-hours per termination reason: where did the GPU time go?"""
+    """Attempts, GPU- and CPU-hours per termination reason: where did the time go?"""
+    from datetime import UTC, datetime, timedelta
+
     rows = _ledger(_settings()).cost_by_reason(family, days)
     window = f"started in the last {days:g} day(s)"
+    _echo_blocked_snapshots(datetime.now(UTC) - timedelta(days=days))
     if not rows:
         click.echo(f"No {family} attempts {window}.")
         return
     click.echo(f"{family} attempts {window}, by termination reason:")
-    click.echo(f"{'termination_reason':<18}  {'attempts':>9}  {'gpu_hours':>12}")
+    click.echo(f"{'termination_reason':<18}  {'attempts':>9}  {'gpu_hours':>12}  {'cpu_hours':>10}")
     for row in rows:
         click.echo(
             f"{row.termination_reason or '(running)':<18}  {row.attempts:>9,}  "
-            f"{row.gpu_hours:>12,.2f}"
+            f"{row.gpu_hours:>12,.2f}  {row.cpu_hours:>10,.3f}"
         )
     total_attempts = sum(r.attempts for r in rows)
     total_hours = sum(r.gpu_hours for r in rows)
-    click.echo(f"{'total':<18}  {total_attempts:>9,}  {total_hours:>12,.2f}")
+    total_cpu = sum(r.cpu_hours for r in rows)
+    click.echo(f"{'total':<18}  {total_attempts:>9,}  {total_hours:>12,.2f}  {total_cpu:>10,.3f}")
+
+
+def _echo_blocked_snapshots(since: Any) -> None:
+    """Batches the blocking checks stopped cost no training, but they happened: say so."""
+    blocked = _ledger(_settings()).snapshots(verdict="blocked", since=since)
+    if blocked:
+        shown = ", ".join(s.snapshot_id for s in blocked[-5:])
+        click.echo(
+            f"{len(blocked)} snapshot(s) stopped by their blocking checks before any training "
+            f"({shown}); `tracks explain SNAPSHOT_ID` says why."
+        )
 
 
 @main.command("ledger-upgrade")
@@ -272,7 +379,7 @@ def ledger_upgrade() -> None:
     """Bring the ledger schema to the newest migration."""
     settings = _settings()
     _ledger(settings)
-    click.echo(f"ledger at {settings.ledger_url} is up to date")
+    click.echo(f"ledger at {redact.url(settings.ledger_url)} is up to date")
 
 
 if __name__ == "__main__":

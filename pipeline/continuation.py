@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 from pipeline.ledger import AttemptRecord, Ledger, RunRecord
 from pipeline.reasons import classify, evidence_for_attempt
@@ -52,7 +54,11 @@ def pending_continuations(ledger: Ledger) -> list[Continuation]:
 
 
 def expire_silent_attempts(
-    ledger: Ledger, heartbeat_timeout_seconds: float, *, now: datetime | None = None
+    ledger: Ledger,
+    heartbeat_timeout_seconds: float,
+    *,
+    now: datetime | None = None,
+    checkpoint_root: Path | None = None,
 ) -> list[AttemptRecord]:
     """Close attempts that are alive on paper but silent past the timeout (node lost).
 
@@ -63,20 +69,29 @@ def expire_silent_attempts(
     closed = []
     for attempt in ledger.silent_attempts(heartbeat_timeout_seconds, now=now):
         latest = ledger.latest_committed_checkpoint(attempt.run_id)
+        # A trainer that could not reach the ledger still wrote its last words to disk: they
+        # are the evidence of how it ended (infra_transient, a signal), read before silence.
+        words = _last_words(checkpoint_root, attempt)
+        signal = words.get("signal") if isinstance(words.get("signal"), str) else None
+        reached = words.get("step") if isinstance(words.get("step"), int) else None
         termination = classify(
             evidence_for_attempt(
                 attempt,
+                signal_name=signal,
+                last_words=words or None,
                 last_committed_step=latest.step if latest else None,
                 heartbeat_timeout_seconds=heartbeat_timeout_seconds,
                 now=now,
             )
         )
+        steps = [s for s in (reached, latest.step if latest else None) if s is not None]
         ended = ledger.end_attempt(
             attempt.run_id,
             attempt.attempt_no,
             termination_reason=termination.reason,
             termination_detail=termination.detail,
-            last_step=latest.step if latest else None,
+            signal=signal,
+            last_step=max(steps) if steps else None,
         )
         run = ledger.get_run(attempt.run_id)
         decision = decide(
@@ -90,3 +105,16 @@ def expire_silent_attempts(
             ledger.set_run_status(run.run_id, RunStatus.FAILED)
         closed.append(ledger.get_attempt(attempt.run_id, attempt.attempt_no))
     return closed
+
+
+def _last_words(checkpoint_root: Path | None, attempt: AttemptRecord) -> dict[str, Any]:
+    if checkpoint_root is None:
+        return {}
+    from pipeline.reasons import read_last_words
+    from pipeline.trainer.attempt import last_words_path
+
+    words = read_last_words(last_words_path(checkpoint_root, attempt.run_id, attempt.attempt_no))
+    # Only this attempt's words count (a file copied from elsewhere names another attempt).
+    if not words or words.get("attempt_no") != attempt.attempt_no:
+        return {}
+    return words

@@ -11,6 +11,7 @@ import os
 import dagster as dg
 
 from assets import ALL_ASSET_CHECKS, ALL_ASSETS
+from pipeline import redact
 from pipeline.settings import TracksSettings
 from resources import LedgerResource, MlflowResource, StorageResource, TrainerLauncherResource
 from sensors import ALL_JOBS, ALL_SCHEDULES, ALL_SENSORS
@@ -20,9 +21,15 @@ class DeploymentError(Exception):
     pass
 
 
+def _from_env(name: str, value: str) -> str | dg.EnvVar:
+    # A URL that came from the environment stays there: Dagster stores and shows the variable's
+    # name in resource config (the UI, run storage), never the URL and its password.
+    return dg.EnvVar(name) if os.environ.get(name) == value else value
+
+
 def _resources(settings: TracksSettings) -> dict[str, dg.ConfigurableResource]:
     return {
-        "ledger": LedgerResource(url=settings.ledger_url),
+        "ledger": LedgerResource(url=_from_env("TRACKS_LEDGER_URL", settings.ledger_url)),
         "storage": StorageResource(
             landing_root=str(settings.landing_root),
             snapshot_root=str(settings.snapshot_root),
@@ -30,7 +37,7 @@ def _resources(settings: TracksSettings) -> dict[str, dg.ConfigurableResource]:
             work_root=str(settings.work_root),
         ),
         "mlflow": MlflowResource(
-            tracking_uri=settings.mlflow_tracking_uri,
+            tracking_uri=_from_env("TRACKS_MLFLOW_URI", settings.mlflow_tracking_uri),
             artifact_root=str(settings.mlflow_artifact_root),
         ),
         "trainer": TrainerLauncherResource(),
@@ -48,7 +55,8 @@ def resources_for(env_name: str, settings: TracksSettings) -> dict[str, dg.Confi
         ):
             if not url.startswith("postgresql"):
                 raise DeploymentError(
-                    f"TRACKS_ENV=production needs {name} to be a PostgreSQL URL, got {url!r}"
+                    f"TRACKS_ENV=production needs {name} to be a PostgreSQL URL, "
+                    f"got {redact.url(url)!r}"
                 )
         return _resources(settings)
     raise DeploymentError(f"TRACKS_ENV must be 'local' or 'production', got {env_name!r}")

@@ -22,6 +22,7 @@ from pipeline.ledger import (
     PromotionRecord,
     RunRecord,
     UnknownRunError,
+    UnknownSnapshotError,
 )
 from pipeline.retry import config_changes
 
@@ -97,14 +98,36 @@ def _mark(attempt: AttemptRecord, focus: int | None) -> str:
     return f"**▶ {attempt.attempt_no}**" if attempt.attempt_no == focus else str(attempt.attempt_no)
 
 
+_STATUS_WORDS = {
+    "running": "an attempt is running, or the retry policy will start another",
+    "trained": "training finished; not promoted (yet)",
+    "promoted": "its checkpoint is the champion",
+    "refused": "trained, but the promotion gate refused it",
+    "failed": "stopped by the retry policy",
+}
+
+
+def _status_line(run: RunRecord, promotions: Sequence[PromotionRecord]) -> str:
+    line = f"Status **{run.status}** ({_STATUS_WORDS.get(run.status, 'unknown status')})"
+    if run.status == "refused":
+        refused = [p for p in promotions if p.decision == "refused"]
+        if refused:
+            line += f" — **promotion refused**: {refused[-1].reason}"
+    return line
+
+
 def _summary(
-    run: RunRecord, attempts: Sequence[AttemptRecord], focus: AttemptRecord | None
+    run: RunRecord,
+    attempts: Sequence[AttemptRecord],
+    focus: AttemptRecord | None,
+    promotions: Sequence[PromotionRecord] = (),
 ) -> list[str]:
     total_gpu = sum(a.gpu_seconds for a in attempts)
+    total_cpu = sum(a.cpu_seconds for a in attempts)
     out = [
         f"A **{run.model_family}** run for **{run.owner}** ({run.purpose}), created "
-        f"{_when(run.created_at)}. Status **{run.status}** after {len(attempts)} attempt(s) "
-        f"and {_hours(total_gpu)} GPU-hours.",
+        f"{_when(run.created_at)}. {_status_line(run, promotions)}, after {len(attempts)} "
+        f"attempt(s), {_hours(total_gpu)} GPU-hours and {_hours(total_cpu)} CPU-hours.",
     ]
     if attempts:
         last = attempts[-1]
@@ -161,7 +184,9 @@ def _what_was_tried(
     return [*out, ""]
 
 
-def _data(run: RunRecord, attempts: Sequence[AttemptRecord]) -> list[str]:
+def _data(
+    run: RunRecord, attempts: Sequence[AttemptRecord], ledger: Ledger | None = None
+) -> list[str]:
     out = ["## Data snapshot", "", f"Snapshot `{run.snapshot_id}`."]
     manifests: dict[str, list[int]] = defaultdict(list)
     for a in attempts:
@@ -174,7 +199,64 @@ def _data(run: RunRecord, attempts: Sequence[AttemptRecord]) -> list[str]:
         out.append("")
         for sha, numbers in manifests.items():
             out.append(f"- manifest sha256 `{sha}`: attempt(s) {', '.join(map(str, numbers))}")
+    if ledger is not None:
+        out += ["", *_snapshot_facts(ledger, run.snapshot_id, run.run_id)]
     return [*out, ""]
+
+
+def _snapshot_facts(ledger: Ledger, snapshot_id: str, run_id: str | None = None) -> list[str]:
+    """The checks' verdict, and which other snapshots and runs hold byte-identical data."""
+    try:
+        snap = ledger.get_snapshot(snapshot_id)
+    except UnknownSnapshotError:
+        return ["(The ledger has no record of this snapshot's checks.)"]
+    out = [f"Blocking checks: **{snap.verdict}** for manifest `{snap.manifest_sha256[:16]}`."]
+    twins = [
+        s
+        for s in (ledger.snapshots_with_content(snap.content_sha256) if snap.content_sha256 else [])
+        if s.snapshot_id != snapshot_id
+    ]
+    for twin in twins:
+        runs = [
+            r.run_id for r in ledger.find_runs(snapshot_id=twin.snapshot_id) if r.run_id != run_id
+        ]
+        used = f"; run(s) {', '.join(runs)} trained on it" if runs else ""
+        out.append(
+            f"Its data is **byte-identical** to snapshot `{twin.snapshot_id}` (same file bytes "
+            f"in the same order, other file names){used}."
+        )
+    return out
+
+
+def render_snapshot(ledger: Ledger, snapshot_id: str) -> str:
+    """The page of a data snapshot: its verdict, every check's outcome, the runs that used it."""
+    snap = ledger.get_snapshot(snapshot_id)
+    out = [f"# Snapshot {snapshot_id}", ""]
+    out.append(
+        f"Registered {_when(snap.created_at)} with {_or_dash(snap.rows)} rows from "
+        f"{_or_dash(snap.source)}; manifest sha256 `{snap.manifest_sha256}`."
+    )
+    out += [*_snapshot_facts(ledger, snapshot_id), "", "## Checks", ""]
+    checks = ledger.snapshot_checks(snapshot_id, snap.manifest_sha256)
+    if not checks:
+        out.append("No check has run on this manifest.")
+    else:
+        out += ["| check | blocking | result | what it found |", "|---|---|---|---|"]
+        for c in checks:
+            summary = (c.detail or {}).get("summary", "")
+            out.append(
+                f"| {c.check_name} | {'yes' if c.blocking else 'no (warns)'} | "
+                f"{'passed' if c.passed else '**failed**'} | {_cell(summary)} |"
+            )
+    runs = ledger.find_runs(snapshot_id=snapshot_id)
+    out += ["", "## Runs", ""]
+    if runs:
+        out += [f"- `{r.run_id}`: {r.status}" for r in runs]
+    elif snap.verdict == "blocked":
+        out.append("None: the blocking checks stopped this batch before any training.")
+    else:
+        out.append("None yet.")
+    return "\n".join(out).rstrip() + "\n"
 
 
 def _placement(attempts: Sequence[AttemptRecord], focus: int | None) -> list[str]:
@@ -246,12 +328,70 @@ def _lineage(
     return [*out, ""]
 
 
-def _attempts(attempts: Sequence[AttemptRecord], focus: int | None) -> list[str]:
+def _steps_words(a: AttemptRecord, checkpoints: Sequence[CheckpointRecord]) -> str:
+    """Reached, restored, committed and lost: the figures an operator asks first."""
+    committed = [
+        c.step
+        for c in checkpoints
+        if c.attempt_no == a.attempt_no and c.state in ("committed", "superseded")
+    ]
+    restored = a.restored_step if a.restored_step is not None else None
+    top = max(committed, default=None)
+    words = [f"reached step {_or_dash(a.last_step)}", f"restored step {_or_dash(restored)}"]
+    words.append(f"last commit at step {_or_dash(top)}")
+    if a.last_step is not None and a.termination_reason not in (None, "succeeded"):
+        # What the next attempt must train again: past the newest commit (or the restore).
+        kept = max(s for s in (top, restored, 0) if s is not None)
+        words.append(f"**{max(a.last_step - kept, 0)} step(s) lost**")
+    return ", ".join(words)
+
+
+def _clock_words(a: AttemptRecord) -> str:
+    """Each clock named: the receipt's span and what the trainer process measured inside it."""
+    words = [f"receipt open {_duration(a)} (from the attempt's begin to its end)"]
+    t = a.timings or {}
+    if "trainer_process_seconds" in t:
+        words.append(f"trainer process {float(t['trainer_process_seconds']):.1f}s")
+    if "setup_seconds" in t:
+        words.append(f"of which set-up {float(t['setup_seconds']):.1f}s")
+    if "training_seconds" in t:
+        words.append(f"training loop {float(t['training_seconds']):.1f}s")
+    return "; ".join(words)
+
+
+def _launch_words(a: AttemptRecord) -> str:
+    launched = a.launched_by or {}
+    admission = a.admission or {}
+    out = []
+    if launched:
+        who = launched.get("via", "unknown")
+        extra = [f"user {launched['user']}"] if launched.get("user") else []
+        if launched.get("dagster_run_id"):
+            extra.append(f"Dagster run {launched['dagster_run_id']}")
+        out.append(f"Launched by **{who}**" + (f" ({', '.join(extra)})" if extra else "") + ".")
+    if admission:
+        after = admission.get("after_decision")
+        sentence = f"Admitted by rule `{admission.get('rule', '—')}`"
+        if admission.get("after_attempt") is not None:
+            sentence += f" after attempt {admission['after_attempt']}"
+            if after:
+                sentence += f" ended with **{after}**"
+        sentence += f": {admission.get('reason', '')}".rstrip(": ")
+        changes = admission.get("config_changes") or []
+        if after == "stop" and changes:
+            sentence += f" — relaunched with a changed config ({'; '.join(changes)})"
+        out.append(sentence.rstrip(".") + ".")
+    return " ".join(out)
+
+
+def _attempts(
+    attempts: Sequence[AttemptRecord], checkpoints: Sequence[CheckpointRecord], focus: int | None
+) -> list[str]:
     out = ["## Attempts and retries", ""]
     if not attempts:
         return [*out, "No attempts.", ""]
     out += [
-        "| # | started | ran | reason | GPU-h | decision | rule | budget left |",
+        "| # | started | receipt open | reason | GPU-h | decision | rule | budget left |",
         "|---:|---|---|---|---:|---|---|---|",
     ]
     for a in attempts:
@@ -268,11 +408,13 @@ def _attempts(attempts: Sequence[AttemptRecord], focus: int | None) -> list[str]
         )
         reason = a.termination_reason or "still running"
         exit_words = (
-            f"exit code {_or_dash(a.exit_code)}, signal {_or_dash(a.signal)}, "
-            f"last step {_or_dash(a.last_step)}"
+            f"exit code {_or_dash(a.exit_code)}, signal {_or_dash(a.signal)}; "
+            f"{_steps_words(a, checkpoints)}"
         )
         detail = a.termination_detail or "no detail recorded"
         line = f"- {lead} — **{reason}** ({exit_words}): {detail}"
+        if launch := _launch_words(a):
+            line += f" {launch}"
         decision = a.retry_decision
         if decision:
             line += f" → **{decision['action']}**: {decision.get('reason', '')}"
@@ -317,10 +459,13 @@ def _focus_receipt(a: AttemptRecord) -> list[str]:
         f"- **Termination**: {a.termination_reason or 'still running'} — "
         f"{a.termination_detail or 'no detail recorded'}",
         f"- **Exit**: code {_or_dash(a.exit_code)}, signal {_or_dash(a.signal)}; "
-        f"last step {_or_dash(a.last_step)}; fencing token {a.fencing_token}",
+        f"reached step {_or_dash(a.last_step)}, restored step {_or_dash(a.restored_step)}; "
+        f"fencing token {a.fencing_token}",
+        f"- **Launched**: {_launch_words(a) or 'not recorded'}",
         f"- **Resumed from**: {a.resumed_from_checkpoint or 'nothing (fresh start)'}",
         f"- **Config** sha256 `{a.config_sha256}`; data manifest `{a.data_manifest_sha256}`; "
         f"container `{a.container_digest}`; code {a.code_commit or 'unknown'}",
+        f"- **Clocks**: {_clock_words(a)}",
         f"- **Cost**: {a.gpu_seconds:.0f} GPU-seconds, {a.cpu_seconds:.0f} CPU-seconds",
         "- **Retry decision**: "
         + (
@@ -404,12 +549,12 @@ def render_run(ledger: Ledger, run: RunRecord, focus_attempt: int | None = None)
     focus = next((a for a in attempts if a.attempt_no == focus_attempt), None)
     title = f"# Run {run.run_id}" + (f", attempt {focus_attempt}" if focus_attempt else "")
     out = [title, ""]
-    out += _summary(run, attempts, focus)
+    out += _summary(run, attempts, focus, promotions)
     out += _what_was_tried(run, attempts, focus)
-    out += _data(run, attempts)
+    out += _data(run, attempts, ledger)
     out += _placement(attempts, focus_attempt)
     out += _lineage(attempts, checkpoints, focus_attempt)
-    out += _attempts(attempts, focus_attempt)
+    out += _attempts(attempts, checkpoints, focus_attempt)
     if focus is not None:
         out += _focus_receipt(focus)
     out += _evaluations(evaluations, any(a.termination_reason == "succeeded" for a in attempts))
@@ -419,6 +564,13 @@ def render_run(ledger: Ledger, run: RunRecord, focus_attempt: int | None = None)
 
 def explain(ledger: Ledger, target: str) -> str:
     """Render the page for a run id, or an attempt named ``RUN#N``."""
+    from pipeline import ids
+
+    if ids.is_snapshot_id(target):
+        try:
+            return render_snapshot(ledger, target)
+        except UnknownSnapshotError:
+            pass  # a run may be named like a snapshot; try it as a run
     run_id, attempt_no = _parse_target(target)
     try:
         run = ledger.get_run(run_id)

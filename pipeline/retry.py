@@ -289,7 +289,7 @@ def load_retry_policy(source: str | Path | Mapping[str, Any] | None) -> RetryPol
 
     A mapping without that key is taken as the section itself. None gives the defaults.
     """
-    import yaml
+    from pipeline import yamlio
 
     name = "retry_policy"
     if source is None:
@@ -301,11 +301,14 @@ def load_retry_policy(source: str | Path | Mapping[str, Any] | None) -> RetryPol
         path = Path(source)
         name = str(path)
         try:
-            loaded = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise RetryPolicyError(name, "", f"cannot be read: {exc}") from exc
+            loaded = yamlio.load_file(path)
+        except yamlio.YamlError as exc:
+            raise RetryPolicyError(name, "", str(exc).removeprefix(f"{path}: ")) from exc
     elif isinstance(source, str):
-        loaded = yaml.safe_load(source)
+        try:
+            loaded = yamlio.loads(source, source="retry_policy")
+        except yamlio.YamlError as exc:
+            raise RetryPolicyError(name, "", str(exc).removeprefix("retry_policy: ")) from exc
     else:
         loaded = source
     if loaded is None:
@@ -676,6 +679,7 @@ def record_decision(ledger: Ledger, ended: AttemptRecord, decision: RetryDecisio
         for c in committed:
             if (c.step, c.attempt_no) > (target.step, target.attempt_no):
                 ledger.set_checkpoint_state(
+                    ended.run_id,
                     c.path,
                     CheckpointState.SUPERSEDED,
                     f"rolled back past it to step {target.step} after attempt "

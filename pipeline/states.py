@@ -15,8 +15,12 @@ class Purpose(StrEnum):
 
 
 class RunStatus(StrEnum):
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
+    """Where a run stands. `tracks explain` says the same words."""
+
+    RUNNING = "running"  # an attempt is running, or the retry policy will start another
+    TRAINED = "trained"  # training finished (final checkpoint committed); not promoted yet
+    PROMOTED = "promoted"  # its checkpoint became the champion
+    REFUSED = "refused"  # trained, but the promotion gate refused it; the promotion row says why
     FAILED = "failed"  # stopped by the retry policy; its attempts say why
 
 

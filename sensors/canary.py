@@ -44,7 +44,11 @@ canary_job = dg.define_asset_job(
     # checks, loss_falls, restores_in_new_process and provenance_complete.
     selection=dg.AssetSelection.assets(*CANARY_ASSETS),
     partitions_def=snapshot_partitions,
-    tags={MAX_RUNTIME_TAG: str(int(DEFAULT_MAX_MINUTES * 60)), "tracks/purpose": "canary"},
+    tags={
+        MAX_RUNTIME_TAG: str(int(DEFAULT_MAX_MINUTES * 60)),
+        "tracks/purpose": "canary",
+        "tracks/launched_by": "canary",
+    },
     description=(
         "Snapshot → checks → train (few steps) → committed checkpoint → restore in a new "
         "process → evaluate → provenance. No promotion."
@@ -167,7 +171,11 @@ def run_canary(
         ),
         # Enforced by the daemon's run monitoring when launched from the UI or a sensor; in
         # process, the trainer's max_wall_seconds and the elapsed-time condition bound it.
-        tags={MAX_RUNTIME_TAG: str(int(max_seconds)), "tracks/purpose": "canary"},
+        tags={
+            MAX_RUNTIME_TAG: str(int(max_seconds)),
+            "tracks/purpose": "canary",
+            "tracks/launched_by": "canary",
+        },
         raise_on_error=False,
     )
     seconds = time.monotonic() - started

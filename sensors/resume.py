@@ -6,11 +6,13 @@ continuation happen once; Dagster's own run retries stay off, so this sensor is 
 """
 
 from datetime import UTC, datetime
+from typing import Any
 
 import dagster as dg
 
+from assets.partitions import snapshot_partitions
 from pipeline.settings import AutomationSettings
-from resources import LedgerResource
+from resources import LedgerResource, StorageResource
 
 AUTOMATION = AutomationSettings.from_env()
 
@@ -52,44 +54,82 @@ def _run_key(instance: dg.DagsterInstance, key: str) -> str | None:
     ),
 )
 def resume_after_preemption(
-    context: dg.SensorEvaluationContext, ledger: LedgerResource
+    context: dg.SensorEvaluationContext, ledger: LedgerResource, storage: StorageResource
 ) -> dg.SensorResult | dg.SkipReason:
     from pipeline.continuation import expire_silent_attempts, pending_continuations
 
     book = ledger.ledger()
-    for attempt in expire_silent_attempts(book, AUTOMATION.heartbeat_timeout_seconds):
+    for attempt in expire_silent_attempts(
+        book, AUTOMATION.heartbeat_timeout_seconds, checkpoint_root=storage.checkpoints()
+    ):
         context.log.warning(
             f"attempt {attempt.key} went silent: {attempt.termination_detail} "
             f"Decision: {(attempt.retry_decision or {}).get('reason')}"
         )
     now = datetime.now(UTC)
-    requests = []
+    requests: list[dg.RunRequest] = []
+    new_partitions: list[str] = []
     for c in pending_continuations(book):
-        if c.not_before > now:
-            context.log.info(f"{c.run_key}: backing off until {c.not_before:%H:%M:%S}")
+        # Each continuation on its own: one that cannot be launched is logged with its reason
+        # and the others still go out on this tick.
+        try:
+            request = _request_for(context, storage, c, now, new_partitions)
+        except Exception as exc:
+            context.log.error(f"{c.run_key}: not launched this tick: {type(exc).__name__}: {exc}")
             continue
-        run_key = _run_key(context.instance, c.run_key)
-        if run_key is None:
-            context.log.error(
-                f"{c.run_key}: {MAX_RELAUNCHES} Dagster runs ended before opening the attempt; "
-                "not launching another (see their event logs)"
-            )
-            continue
-        requests.append(
-            dg.RunRequest(
-                run_key=run_key,
-                partition_key=c.run.snapshot_id,
-                asset_selection=CONTINUATION_ASSETS,
-                run_config={"ops": {"training_attempt": {"config": {"run_id": c.run.run_id}}}},
-                tags={
-                    CONTINUATION_TAG: c.run_key,
-                    "tracks/run_id": c.run.run_id,
-                    "tracks/continues_attempt": str(c.ended.attempt_no),
-                    "tracks/decision": str(c.decision.action),
-                    "tracks/rule": c.decision.rule,
-                },
-            )
-        )
+        if request is not None:
+            requests.append(request)
     if not requests:
         return dg.SkipReason("no run is waiting to be resumed")
-    return dg.SensorResult(run_requests=requests)
+    return dg.SensorResult(
+        run_requests=requests,
+        dynamic_partitions_requests=(
+            [snapshot_partitions.build_add_request(new_partitions)] if new_partitions else []
+        ),
+    )
+
+
+def _request_for(
+    context: dg.SensorEvaluationContext,
+    storage: StorageResource,
+    c: Any,
+    now: datetime,
+    new_partitions: list[str],
+) -> dg.RunRequest | None:
+    from pipeline import ids
+
+    if c.not_before > now:
+        context.log.info(f"{c.run_key}: backing off until {c.not_before:%H:%M:%S}")
+        return None
+    snapshot_id = ids.snapshot_id(c.run.snapshot_id)
+    if not context.instance.has_dynamic_partition(snapshot_partitions.name, snapshot_id):
+        # A run started from the trainer CLI: its snapshot is in the store but was never a
+        # Dagster partition. Add it, rather than fail the tick for every other continuation.
+        if not (storage.snapshots() / snapshot_id / "manifest.json").is_file():
+            raise LookupError(
+                f"snapshot {snapshot_id} of run {c.run.run_id} is neither a data_snapshot "
+                f"partition nor in the snapshot store {storage.snapshots()}"
+            )
+        if snapshot_id not in new_partitions:
+            new_partitions.append(snapshot_id)
+    run_key = _run_key(context.instance, c.run_key)
+    if run_key is None:
+        context.log.error(
+            f"{c.run_key}: {MAX_RELAUNCHES} Dagster runs ended before opening the attempt; "
+            "not launching another (see their event logs)"
+        )
+        return None
+    return dg.RunRequest(
+        run_key=run_key,
+        partition_key=c.run.snapshot_id,
+        asset_selection=CONTINUATION_ASSETS,
+        run_config={"ops": {"training_attempt": {"config": {"run_id": c.run.run_id}}}},
+        tags={
+            CONTINUATION_TAG: c.run_key,
+            "tracks/run_id": c.run.run_id,
+            "tracks/continues_attempt": str(c.ended.attempt_no),
+            "tracks/decision": str(c.decision.action),
+            "tracks/rule": c.decision.rule,
+            "tracks/launched_by": "sensor:resume_after_preemption",
+        },
+    )

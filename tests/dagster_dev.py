@@ -27,7 +27,14 @@ def free_port() -> int:
 class DagsterDev:
     """``dagster dev -w workspace.yaml`` in its own process group, stopped with SIGINT."""
 
-    def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        log_path: Path,
+        *,
+        cwd: Path = REPO_ROOT,
+        clean: bool = False,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -35,8 +42,9 @@ class DagsterDev:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dagster", "dev", "-w", "workspace.yaml",
              "-h", "127.0.0.1", "-p", str(self.port)],
-            cwd=REPO_ROOT,
-            env={**os.environ, **env},
+            cwd=cwd,
+            # clean: exactly ``env`` (a fresh shell with nothing exported), not ours on top.
+            env=dict(env) if clean else {**os.environ, **env},
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -39,11 +39,11 @@ ATTEMPTS = [
     ("vision", 1, R.PREEMPTED, 50_000),  # another family
 ]
 EXPECTED = [
-    CostRow("succeeded", 1, 10.0),
-    CostRow("preempted", 3, 3.5),
-    CostRow("oom", 1, 0.25),
-    CostRow("bad_input", 1, 0.0),
-    CostRow(None, 1, 0.0),
+    CostRow("succeeded", 1, 10.0, 5.0),
+    CostRow("preempted", 3, 3.5, 1.75),
+    CostRow("oom", 1, 0.25, 0.125),
+    CostRow("bad_input", 1, 0.0, 0.0),
+    CostRow(None, 1, 0.0, 0.0),
 ]
 
 
@@ -65,8 +65,9 @@ def fill(ledger: Ledger) -> None:
         )  # fmt: skip
         if reason is not None:
             ledger.end_attempt(
-                run_id, 1, termination_reason=reason, termination_detail="test", gpu_seconds=gpu
-            )
+                run_id, 1, termination_reason=reason, termination_detail="test", gpu_seconds=gpu,
+                cpu_seconds=gpu / 2,
+            )  # fmt: skip
         t = schema.training_attempts
         with ledger.engine.begin() as conn:
             conn.execute(
@@ -96,16 +97,21 @@ def test_tracks_cost_prints_the_table(
     assert result.exit_code == 0, result.output
     assert result.output == (
         "reasoning attempts started in the last 7 day(s), by termination reason:\n"
-        "termination_reason   attempts     gpu_hours\n"
-        "succeeded                   1         10.00\n"
-        "preempted                   3          3.50\n"
-        "oom                         1          0.25\n"
-        "bad_input                   1          0.00\n"
-        "(running)                   1          0.00\n"
-        "total                       7         13.75\n"
+        "termination_reason   attempts     gpu_hours   cpu_hours\n"
+        "succeeded                   1         10.00       5.000\n"
+        "preempted                   3          3.50       1.750\n"
+        "oom                         1          0.25       0.125\n"
+        "bad_input                   1          0.00       0.000\n"
+        "(running)                   1          0.00       0.000\n"
+        "total                       7         13.75       6.875\n"
     )
     empty = CliRunner().invoke(tracks, ["cost", "--family", "vision", "--days", "0.5"])
     assert empty.output == "No vision attempts started in the last 0.5 day(s).\n"
+    # A window that is not a positive finite number is a usage error, not an empty answer.
+    for bad in ("-1", "0", "nan", "inf", "seven"):
+        refused = CliRunner().invoke(tracks, ["cost", "--family", "reasoning", "--days", bad])
+        assert refused.exit_code == 2, (bad, refused.output)
+        assert "--days" in refused.output and "Traceback" not in refused.output
 
 
 def test_seed_query_runs_as_written_on_postgresql_with_data(pg_database: str) -> None:
@@ -133,7 +139,7 @@ def test_the_cost_query_is_answered_from_the_covering_index(tmp_path: Path) -> N
 def test_head_revision_read_from_the_files_is_alembics_head(tmp_path: Path) -> None:
     cfg = Config()
     cfg.set_main_option("script_location", str(_MIGRATIONS))
-    assert ScriptDirectory.from_config(cfg).get_current_head() == head_revision() == "0002"
+    assert ScriptDirectory.from_config(cfg).get_current_head() == head_revision() == "0003"
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'ledger.db'}")
     assert ledger.schema_revision() == head_revision()
     assert Ledger(f"sqlite:///{tmp_path / 'empty.db'}").schema_revision() is None
@@ -149,3 +155,45 @@ def test_cost_benchmark_runs_end_to_end_on_a_small_ledger() -> None:
     assert result.returncode == 0, result.stderr
     assert "USING COVERING INDEX ix_training_attempts_family_started" in result.stdout
     assert "Ledger.cost_by_reason: median" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["attempts", "--since", "-3"],
+        ["attempts", "--since", "nan"],
+        ["attempts", "--limit", "-1"],
+        ["attempts", "--run", "../x"],
+        ["cost", "--family", "../x"],
+        ["explain", "some-run", "--output", "/nonexistent-folder/page.md"],
+    ],
+)
+def test_bad_cli_input_is_one_line_naming_the_option(args: list[str], tracks_home: Path) -> None:
+    result = CliRunner().invoke(tracks, args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    option = next(a for a in args if a.startswith("--")) if "--" in " ".join(args) else args[0]
+    assert option in result.output, result.output
+
+
+def test_a_batch_stopped_by_its_checks_is_listed_by_cost_and_attempts(
+    tracks_home: Path,
+) -> None:
+    from pipeline.data.gate import CheckVerdict, record_verdict
+    from pipeline.data.landing import Drift, write_digits_landing
+    from pipeline.data.snapshot import create_snapshot
+    from pipeline.settings import TracksSettings
+
+    settings = TracksSettings.from_env()
+    write_digits_landing(settings.landing_root, drift=Drift.NULLS)
+    snapshot = create_snapshot(settings.landing_root, settings.snapshot_root)
+    verdict = CheckVerdict("schema_contract", blocking=True, passed=False, summary="nulls")
+    record_verdict(
+        snapshot, [verdict], snapshot_root=settings.snapshot_root,
+        ledger=Ledger.open(settings.ledger_url),
+    )  # fmt: skip
+    for args in (["attempts"], ["cost", "--family", "digits-cnn"]):
+        result = CliRunner().invoke(tracks, args)
+        assert result.exit_code == 0, result.output
+        assert "1 snapshot(s) stopped by their blocking checks" in result.output
+        assert snapshot.snapshot_id in result.output

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
 
 import dagster as dg
 import pytest
@@ -11,8 +10,7 @@ import pytest
 from pipeline.data.landing import write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
 from pipeline.definitions import build_definitions
-from pipeline.evaluation import EVALUATORS
-from pipeline.evaluation.evaluators import HoldoutAccuracy
+from pipeline.evaluation.run import FAULT_EVALUATOR_CRASH
 from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings
 from sensors import materialize_snapshot
@@ -20,24 +18,11 @@ from sensors import materialize_snapshot
 pytestmark = pytest.mark.slow
 
 
-class FlakyEvaluator(HoldoutAccuracy):
-    """Crashes on its first call in this process, like an evaluator hitting a dead judge."""
-
-    name: ClassVar[str] = "flaky_holdout"
-    required: ClassVar[bool] = False
-    calls: ClassVar[int] = 0
-
-    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        type(self).calls += 1
-        if type(self).calls == 1:
-            raise ConnectionError("judge endpoint reset the connection")
-        return super().evaluate(*args, **kwargs)
-
-
 def test_evaluator_crash_retries_the_evaluator_not_the_training(
     tracks_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(EVALUATORS, FlakyEvaluator.name, FlakyEvaluator())
+    # The drill hook: holdout_accuracy crashes the first time it sees this checkpoint.
+    monkeypatch.setenv(FAULT_EVALUATOR_CRASH, "holdout_accuracy:1")
     # No waiting in a test: the first evaluator_crash retry comes at once.
     policy = "evaluator_crash: {max_attempts: 2, backoff: {initial_seconds: 0}}"
     settings = TracksSettings.from_env()
@@ -56,15 +41,15 @@ def test_evaluator_crash_retries_the_evaluator_not_the_training(
     [run] = ledger.find_runs(snapshot_id=snapshot)
     assert len(ledger.attempts(run.run_id)) == 1  # training ran once
     flaky = [
-        e for e in ledger.evaluations_for_run(run.run_id) if e.evaluator_name == "flaky_holdout"
+        e for e in ledger.evaluations_for_run(run.run_id) if e.evaluator_name == "holdout_accuracy"
     ]
     assert [(e.status, e.termination_reason) for e in flaky] == [
         ("failed", "evaluator_crash"),
         ("complete", None),
     ]
-    assert "ConnectionError" in flaky[0].detail
-    # The other evaluators completed once each: the retry skipped them.
+    assert "InjectedEvaluatorCrash" in flaky[0].detail
+    # The other evaluator completed once: the retry skipped it.
     others = [
-        e for e in ledger.evaluations_for_run(run.run_id) if e.evaluator_name != "flaky_holdout"
+        e for e in ledger.evaluations_for_run(run.run_id) if e.evaluator_name != "holdout_accuracy"
     ]
-    assert sorted(e.evaluator_name for e in others) == ["holdout_accuracy", "noise_robustness"]
+    assert [e.evaluator_name for e in others] == ["noise_robustness"]

@@ -167,3 +167,34 @@ def open_ledger(path: Path, snapshot_id: str, *run_ids: str) -> Ledger:
             snapshot_id=snapshot_id,
         )
     return ledger
+
+
+def record_committed(ledger: Ledger, checkpoint_dir: Path, snapshot_id: str) -> None:
+    """What training leaves in the ledger for a committed checkpoint (promotion requires it)."""
+    import sqlalchemy as sa
+
+    from pipeline.ledger import UnknownRunError
+    from pipeline.ledger import schema as ledger_schema
+    from pipeline.ledger.ledger import utcnow
+
+    t = ledger_schema.checkpoints
+
+    committed = json.loads((checkpoint_dir / COMMITTED_FILE).read_text())
+    try:
+        ledger.get_run(committed["run_id"])
+    except UnknownRunError:
+        ledger.create_run(
+            run_id=committed["run_id"], model_family="digits-cnn", owner="tests",
+            purpose="baseline", config_sha256="0" * 64, snapshot_id=snapshot_id,
+        )  # fmt: skip
+    with ledger.engine.begin() as conn:
+        if conn.execute(sa.select(t.c.path).where(t.c.path == str(checkpoint_dir))).first():
+            return
+        conn.execute(
+            sa.insert(t).values(
+                path=str(checkpoint_dir), run_id=committed["run_id"],
+                attempt_no=committed["attempt_no"], step=committed["step"],
+                manifest_sha256=committed["manifest_sha256"], state="committed",
+                created_at=utcnow(), committed_at=utcnow(), fencing_token=1,
+            )
+        )  # fmt: skip

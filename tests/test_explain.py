@@ -110,7 +110,7 @@ def build_scenario(ledger: Ledger) -> None:
     a1 = ledger.begin_attempt(RUN, _start(CONFIG, "host-a"))
     c100 = _commit(ledger, a1, 100)
     c200 = _commit(ledger, a1, 200, parent=c100)
-    ledger.set_checkpoint_state(c100, CheckpointState.SUPERSEDED, "retention: keep_last_k=1")
+    ledger.set_checkpoint_state(RUN, c100, CheckpointState.SUPERSEDED, "retention: keep_last_k=1")
     words = {"reason": "preempted", "step": 200,
              "detail": "Stopped on SIGTERM after step 200 of 600 and committed a checkpoint at "
                        "step 200."}  # fmt: skip
@@ -143,12 +143,12 @@ def build_scenario(ledger: Ledger) -> None:
     a4 = ledger.begin_attempt(RUN, _start(SMALLER, "host-c"))
     c400 = _commit(ledger, a4, 400)
     ledger.set_checkpoint_state(
-        c400, CheckpointState.CORRUPT, "model.safetensors: sha256 differs from MANIFEST.json"
+        RUN, c400, CheckpointState.CORRUPT, "model.safetensors: sha256 differs from MANIFEST.json"
     )
     final = _commit(ledger, a4, 600, parent=c400)
     got = _end(ledger, RUN, a4, AttemptEvidence(exit_code=0, last_committed_step=600), gpu=2400)
     assert got[1] == RetryAction.NONE
-    ledger.set_run_status(RUN, RunStatus.SUCCEEDED)
+    ledger.set_run_status(RUN, RunStatus.TRAINED)
     now = datetime.now(UTC)
     evaluation: dict[str, Any] = {
         "run_id": RUN, "attempt_no": 4, "checkpoint_path": final,
@@ -216,7 +216,9 @@ def scenario_ledger(ledger_url: str) -> Ledger:
 def test_explain_tells_the_whole_story_of_the_run(scenario_ledger: Ledger) -> None:
     page = explain(scenario_ledger, RUN)
     assert page.startswith(f"# Run {RUN}\n")
-    assert "Status **succeeded** after 4 attempt(s) and 1.50 GPU-hours." in page
+    # The promotion recorded at the end moved the run from trained to promoted.
+    assert "Status **promoted** (its checkpoint is the champion), after 4 attempt(s)" in page
+    assert "1.50 GPU-hours" in page
     assert (
         "The latest attempt, 4, ended **succeeded** and the retry policy decided **none**" in page
     )
@@ -295,7 +297,10 @@ def test_naming_an_attempt_highlights_it_and_shows_its_receipt(scenario_ledger: 
     assert "| **▶ 3** | host-c |" in _section(page, "Where it ran")
     assert "| **▶ 3** |" in _section(page, "Attempts and retries")
     detail = _section(page, "Attempt 3 in detail")
-    assert "- **Exit**: code 77, signal —; last step 200; fencing token 3" in detail
+    assert (
+        "- **Exit**: code 77, signal —; reached step 200, restored step 200; fencing token 3"
+        in (detail)
+    )
     assert "retry by rule `oom_config_changed`" in detail
     assert '"count": 1' in detail
 
@@ -304,7 +309,7 @@ def test_a_bad_input_run_stops_without_gpu_time_and_is_not_evaluated(
     scenario_ledger: Ledger,
 ) -> None:
     page = explain(scenario_ledger, DRIFT_RUN)
-    assert "Status **failed** after 1 attempt(s) and 0.00 GPU-hours." in page
+    assert "Status **failed** (stopped by the retry policy), after 1 attempt(s)" in page
     attempts = _section(page, "Attempts and retries")
     assert "| bad_input | 0.00 | stop | `bad_input_stops` |" in attempts
     assert "column 'label' is missing" in attempts

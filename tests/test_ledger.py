@@ -96,7 +96,7 @@ def test_ended_attempt_keeps_its_reason_and_failed_attempts_stay(ledger_url: str
     ledger.end_attempt(
         "run-1", 2, termination_reason=TerminationReason.SUCCEEDED, termination_detail="done"
     )
-    ledger.set_run_status("run-1", RunStatus.SUCCEEDED)
+    ledger.set_run_status("run-1", RunStatus.TRAINED)
     attempts = ledger.attempts("run-1")
     assert [(a.status, a.termination_reason) for a in attempts] == [
         ("failed", "preempted"),

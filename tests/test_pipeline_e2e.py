@@ -1,7 +1,7 @@
 """The whole path in Dagster: snapshot → checks → train → checkpoint → evaluate → promote.
 
 Runs on the embedded default (SQLite everywhere) and on PostgreSQL (Dagster's instance through
-the repository's dagster.yaml, the ledger and MLflow's tracking and registry store).
+deploy/dagster-postgres.yaml, the ledger and MLflow's tracking and registry store).
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ def deployment(
         monkeypatch.setenv("TRACKS_LEDGER_URL", make_db())
         monkeypatch.setenv("TRACKS_MLFLOW_URI", make_db())
         monkeypatch.setenv("TRACKS_DAGSTER_PG_URL", make_db())
-        shutil.copyfile(REPO_ROOT / "dagster.yaml", tracks_home / "dagster" / "dagster.yaml")
+        shutil.copyfile(
+            REPO_ROOT / "deploy" / "dagster-postgres.yaml",
+            tracks_home / "dagster" / "dagster.yaml",
+        )
     return request.param
 
 
@@ -61,6 +64,19 @@ def test_whole_path_promotes_a_champion_whose_tags_lead_back(deployment: str) ->
             if e.event_type_value == "ASSET_CHECK_EVALUATION"
         }
         assert checks["schema_contract"] and checks["data_quality"]
+        # Pictures, not JSON: what a person sees on each materialization in the UI.
+        pictures = {
+            "training_attempt": ["loss_curve", "checkpoint_lineage"],
+            "evaluation": ["holdout_accuracy/confusion_matrix", "holdout_accuracy/slices"],
+            "promoted_model": ["decision_against_champion"],
+        }
+        for node, keys in pictures.items():
+            [materialization] = result.asset_materializations_for_node(node)
+            for key in keys:
+                value = materialization.metadata[key]
+                assert isinstance(value, dg.MarkdownMetadataValue), (node, key, value)
+        loss_curve = result.asset_materializations_for_node("training_attempt")[0].metadata
+        assert "data:image/png;base64," in loss_curve["loss_curve"].value
 
     ledger = Ledger.open(settings.ledger_url)
     [run] = ledger.find_runs(snapshot_id=snapshot)
@@ -81,6 +97,15 @@ def test_whole_path_promotes_a_champion_whose_tags_lead_back(deployment: str) ->
     assert tags["attempt_no"] == "1"
     assert tags["checkpoint_manifest_sha256"] == final.manifest_sha256
     assert tags["snapshot_id"] == snapshot
+    # The training run is one MLflow run with its curves, found by the ledger run id.
+    from pipeline.tracking import RUN_TAG, TRAINING_EXPERIMENT
+
+    experiment = client.get_experiment_by_name(TRAINING_EXPERIMENT)
+    [training] = client.search_runs(
+        [experiment.experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{run.run_id}'"
+    )
+    assert len(client.get_metric_history(training.info.run_id, "loss")) > 0
+    assert tags["tracks.training_mlflow_run"] == training.info.run_id
     evaluations = ledger.evaluations_for_checkpoint(final.manifest_sha256)
     assert {e.evaluator_name for e in evaluations} == {"holdout_accuracy", "noise_robustness"}
     assert set(tags["evaluation_ids"].split(",")) == {e.evaluation_id for e in evaluations}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ try:  # tests/ as a package (or the repo root on sys.path), else tests/ itself o
         World,
         manifest_sha256,
         open_ledger,
+        record_committed,
         shared_world,
         without_class,
         write_checkpoint,
@@ -32,6 +34,7 @@ except ModuleNotFoundError:
         World,
         manifest_sha256,
         open_ledger,
+        record_committed,
         shared_world,
         without_class,
         write_checkpoint,
@@ -71,6 +74,7 @@ def _evaluate(
 def _promote(
     world: World, ledger: Ledger, checkpoint: Path, run_id: str, model_name: str, **kw: object
 ) -> PromotionRecord:
+    record_committed(ledger, checkpoint, world.snapshot.snapshot_id)  # as training would have
     return promote(
         ledger=ledger,
         settings=world.settings,
@@ -196,6 +200,13 @@ def test_threshold_failure_is_refused(world: World, champion: Champion, tmp_path
     assert "holdout_accuracy.accuracy 0." in record.reason and "< 0.9" in record.reason
     assert "noise_robustness.accuracy@0.1 0." in record.reason and "< 0.8" in record.reason
     assert str(champion_version(world.settings, champion.model_name).version) == "1"
+    # The ledger and `tracks explain` say the run was refused, not "succeeded".
+    from pipeline.explain import explain
+
+    assert champion.ledger.get_run("run-untrained").status == "refused"
+    assert champion.ledger.get_run("run-good").status == "promoted"
+    page = explain(champion.ledger, "run-untrained")
+    assert "Status **refused**" in page and "**promotion refused**: Refused:" in page
 
 
 def test_promoting_the_champion_again_returns_the_recorded_promotion(
@@ -263,3 +274,87 @@ def test_a_promotion_whose_ledger_row_was_lost_is_recorded_without_a_second_vers
     assert ledger.current_champion(name) == record
     client = MlflowClient(world.settings.mlflow_tracking_uri)
     assert [str(v.version) for v in client.search_model_versions(f"name='{name}'")] == ["1"]
+
+
+# -- serving: the champion is verified against its promotion record before a byte is loaded ---
+
+
+def _served_files(world: World, model_name: str) -> Path:
+    """Where the registered version's artifacts lie in the artifact store (to tamper with)."""
+    from pipeline.mlflow_setup import mlflow_client
+
+    client = mlflow_client(world.settings)
+    version = client.get_model_version_by_alias(model_name, "champion")
+    model_id = version.model_id or version.source.removeprefix("models:/")
+    logged = client.get_logged_model(model_id)
+    return Path(logged.artifact_location.removeprefix("file://"))
+
+
+def test_load_champion_verifies_and_serves_the_promoted_bytes(
+    world: World, champion: Champion
+) -> None:
+    from pipeline.serving.champion import load_champion
+
+    served = load_champion(world.settings, champion.ledger, champion.model_name)
+    assert served.checkpoint_manifest_sha256 == champion.promotion.checkpoint_manifest_sha256
+    frame = read_snapshot_frame(world.snapshot)
+    rows = frame[frame["split"] == "eval"]
+    predicted = served.predict(rows[PIXELS].to_numpy())
+    accuracy = float((predicted == rows["label"].to_numpy()).mean())
+    holdout = next(e for e in champion.evaluations if e.evaluator_name == "holdout_accuracy")
+    assert accuracy == pytest.approx(holdout.metrics["accuracy"])
+
+
+def test_tampered_weights_or_planted_code_are_refused_and_never_run(
+    world: World, tmp_path: Path
+) -> None:
+    from pipeline.serving.champion import ChampionVerificationError, load_champion
+
+    ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, "run-served")
+    checkpoint = write_checkpoint(tmp_path / "ckpt", world.good_state, run_id="run-served")
+    _evaluate(world, ledger, checkpoint, "run-served")
+    model_name = "digits-served"
+    record = _promote(world, ledger, checkpoint, "run-served", model_name)
+    assert record.decision == PromotionDecision.PROMOTED, record.reason
+    stored = _served_files(world, model_name)
+    marker = tmp_path / "ran.txt"
+
+    # Code planted where pyfunc would import it: Tracks' loader never imports it.
+    code = stored / "digits_model.py"
+    os.chmod(code, 0o644)
+    code.write_text(f"open({str(marker)!r}, 'w').write('ran')\n" + code.read_text())
+    load_champion(world.settings, ledger, model_name)
+    assert not marker.exists()
+
+    # An extra file among the served artifacts is refused.
+    planted = stored / "artifacts" / "hook.py"
+    planted.write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    with pytest.raises(ChampionVerificationError, match="unexpected file"):
+        load_champion(world.settings, ledger, model_name)
+    planted.unlink()
+
+    # One flipped byte in the weights: refused, naming the file and both digests.
+    weights = stored / "artifacts" / "model.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 1
+    os.chmod(weights, 0o644)
+    weights.write_bytes(bytes(blob))
+    with pytest.raises(ChampionVerificationError, match=r"model\.safetensors has sha256 .* but"):
+        load_champion(world.settings, ledger, model_name)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_the_ledger_does_not_vouch_for_is_never_promoted(
+    world: World, tmp_path: Path
+) -> None:
+    from pipeline.promotion.promote import UnvouchedCheckpointError
+
+    ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, "run-forged")
+    forged = write_checkpoint(tmp_path / "ckpt", world.good_state, run_id="run-forged")
+    _evaluate(world, ledger, forged, "run-forged")
+    with pytest.raises(UnvouchedCheckpointError, match="not a checkpoint of run run-forged"):
+        promote(
+            ledger=ledger, settings=world.settings, run_id="run-forged", attempt_no=1,
+            checkpoint_dir=forged, snapshot_id=world.snapshot.snapshot_id,
+            model_name="digits-forged",
+        )  # fmt: skip

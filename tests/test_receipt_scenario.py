@@ -59,14 +59,16 @@ def _attempt(
     kill: signal.Signals | None = None,
     kill_after_step: int = 0,
 ) -> FinishedAttempt:
-    extra = dict(env or {})
+    # A heartbeat every step, so the receipt knows exactly the step each attempt reached.
+    extra = {"TRACKS_HEARTBEAT_SECONDS": "0", **(env or {})}
     if kill is not None:
         # Hold the trainer just after the commit we wait for, so the signal lands mid-run.
         extra["TRACKS_FAULT_SLEEP_AFTER_STEP"] = f"30@{kill_after_step + 5}"
     process = subprocess.Popen(
         [sys.executable, "-m", "pipeline.trainer",
-         *prepared.trainer_args(settings.checkpoint_root, ledger.url)],
-        cwd=REPO_ROOT, env={**os.environ, **extra}, stdout=subprocess.DEVNULL,
+         *prepared.trainer_args(settings.checkpoint_root)],
+        cwd=REPO_ROOT, env={**os.environ, **prepared.trainer_env(ledger.url), **extra},
+        stdout=subprocess.DEVNULL,
     )  # fmt: skip
     if kill is not None:
         run_id = prepared.run.run_id
@@ -96,10 +98,12 @@ def test_scripted_scenario_leaves_a_ledger_that_explain_tells_completely(tracks_
     snapshot = create_snapshot(settings.landing_root, settings.snapshot_root)
     config = _config(snapshot)
 
-    def next_attempt(run_id: str | None, cfg: TrainConfig = config) -> PreparedAttempt:
+    def next_attempt(
+        run_id: str | None, cfg: TrainConfig = config, launched_by: dict | None = None
+    ) -> PreparedAttempt:
         return prepare_attempt(
             ledger, snapshot=snapshot, train_config=cfg, work_root=settings.work_root,
-            run_id=run_id, owner="ada", purpose="tuning",
+            run_id=run_id, owner="ada", purpose="tuning", launched_by=launched_by,
         )  # fmt: skip
 
     # 1-2: preempted twice, first politely (SIGTERM), then not (SIGKILL).
@@ -115,7 +119,9 @@ def test_scripted_scenario_leaves_a_ledger_that_explain_tells_completely(tracks_
         next_attempt(run_id)
     # 5: a smaller batch is a memory-relevant change: retried, and it finishes.
     smaller = _config(snapshot, batch_size=32)
-    fourth = _attempt(ledger, settings, next_attempt(run_id, smaller), env=SMALL_NODE)
+    # A person relaunches it after the stop, by hand: the receipt says who, and which rule let it.
+    person = {"via": "cli", "user": "ada"}
+    fourth = _attempt(ledger, settings, next_attempt(run_id, smaller, person), env=SMALL_NODE)
 
     assert [f.termination.reason for f in (first, second, third, fourth)] == [
         "preempted", "preempted", "oom", "succeeded",
@@ -124,6 +130,21 @@ def test_scripted_scenario_leaves_a_ledger_that_explain_tells_completely(tracks_
         "resume", "resume", "stop", "none",
     ]  # fmt: skip
     assert "SIGTERM" in first.termination.detail and "SIGKILL" in second.termination.detail
+    # Evidence, not expectation: the signal each attempt received, the step it reached (past
+    # its last commit when killed), the step it restored.
+    assert first.attempt.signal == "SIGTERM" and second.attempt.signal == "SIGKILL"
+    assert second.attempt.restored_step == 55
+    assert second.attempt.last_step == 105, second.attempt.last_step
+    assert (
+        fourth.attempt.launched_by["via"] == "cli" and fourth.attempt.launched_by["user"] == "ada"
+    )
+    admission = fourth.attempt.admission
+    assert admission["after_attempt"] == 3 and admission["after_decision"] == "stop"
+    assert any("batch_size: 64 → 32" in c for c in admission["config_changes"])
+    # Each clock named: the trainer's own, inside the receipt's span.
+    timings = fourth.attempt.timings
+    assert 0 < timings["setup_seconds"] < timings["trainer_process_seconds"]
+    assert 0 < timings["training_seconds"] < timings["trainer_process_seconds"]
     assert Path(second.attempt.resumed_from_checkpoint).name == "step-0000000055-a01"
 
     final = ledger.latest_committed_checkpoint(run_id)
@@ -192,6 +213,13 @@ def test_scripted_scenario_leaves_a_ledger_that_explain_tells_completely(tracks_
     for words in ("preempted", "oom", "succeeded", "resume", "stop", "left"):
         assert words in retries, words
     assert "SIGKILL" in retries and "SIGTERM" in retries
+    second_line = next(line for line in retries.splitlines() if "Attempt 2 —" in line)
+    assert "reached step 105, restored step 55, last commit at step 100" in second_line
+    assert "**5 step(s) lost**" in second_line
+    fourth_line = next(line for line in retries.splitlines() if "Attempt 4 —" in line)
+    assert "Launched by **cli** (user ada)" in fourth_line
+    assert "after attempt 3 ended with **stop**" in fourth_line
+    assert "relaunched with a changed config (batch_size: 64 → 32)" in fourth_line
     evaluation = section("## Evaluation")
     for record in evaluations:
         assert record.evaluation_id in evaluation

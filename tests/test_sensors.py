@@ -103,10 +103,23 @@ def _ended_attempt(
         ledger.set_run_status(run_id, RunStatus.FAILED)
 
 
-def _resume_tick(ledger: Ledger) -> dg.SensorResult | dg.SkipReason:
+SNAPSHOT = "digits-00000000000000aa"
+
+
+def _resume_tick(
+    ledger: Ledger, *, partitions: tuple[str, ...] = (SNAPSHOT,), root: Path | None = None
+) -> dg.SensorResult | dg.SkipReason:
+    root = root or Path(ledger.url.removeprefix("sqlite:///")).parent / "tracks"
+    storage = StorageResource(
+        landing_root=str(root / "landing"), snapshot_root=str(root / "snapshots"),
+        checkpoint_root=str(root / "checkpoints"), work_root=str(root / "work"),
+    )  # fmt: skip
     with dg.instance_for_test() as instance:
+        # Runs launched through Dagster train on a snapshot that is a partition already.
+        instance.add_dynamic_partitions("snapshots", list(partitions))
         context = dg.build_sensor_context(
-            instance=instance, resources={"ledger": LedgerResource(url=ledger.url)}
+            instance=instance,
+            resources={"ledger": LedgerResource(url=ledger.url), "storage": storage},
         )
         return resume_after_preemption(context)
 
@@ -177,6 +190,83 @@ def test_silent_attempt_is_closed_as_preempted_and_resumed(tmp_path: Path) -> No
     assert [r.run_key for r in result.run_requests] == ["r1:attempt-2"]
 
 
+def _silent_attempt(ledger: Ledger, run_id: str = "r1", snapshot_id: str = SNAPSHOT) -> None:
+    import sqlalchemy as sa
+
+    from pipeline.ledger.schema import training_attempts
+
+    ledger.create_run(
+        run_id=run_id, model_family="digits-cnn", owner="t", purpose="baseline",
+        config_sha256="c" * 64, snapshot_id=snapshot_id,
+    )  # fmt: skip
+    ledger.begin_attempt(
+        run_id,
+        AttemptStart(config_snapshot={}, config_sha256="c" * 64, data_manifest_sha256="d" * 64,
+                     container_digest="env", placement={}),
+    )  # fmt: skip
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            sa.update(training_attempts)
+            .where(training_attempts.c.run_id == run_id)
+            .values(heartbeat_at=datetime.now(UTC) - timedelta(hours=1))
+        )
+
+
+def test_silent_attempt_is_closed_with_the_reason_its_last_words_give(tmp_path: Path) -> None:
+    """A trainer that lost the ledger wrote `infra_transient` to disk: that is its story."""
+    import json
+
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    _silent_attempt(ledger)
+    words = tmp_path / "tracks" / "checkpoints" / "r1" / "attempt-1.last_words.json"
+    words.parent.mkdir(parents=True)
+    words.write_text(json.dumps({
+        "run_id": "r1", "attempt_no": 1, "reason": "infra_transient", "exit_code": 74,
+        "step": 140, "signal": None, "detail": "the ledger stayed unreachable for 60 s",
+        "exception_type": "OperationalError", "exception_module": "sqlalchemy.exc",
+        "exception_message": "the database system is shutting down",
+    }))  # fmt: skip
+    _resume_tick(ledger)
+    attempt = ledger.get_attempt("r1", 1)
+    assert attempt.termination_reason == "infra_transient", attempt.termination_detail
+    assert attempt.last_step == 140
+
+
+def test_one_bad_continuation_does_not_hold_up_the_others(tmp_path: Path) -> None:
+    """A CLI run's snapshot in the store becomes a partition; one found nowhere is skipped."""
+    from pipeline.data.snapshot import create_snapshot
+
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    root = tmp_path / "tracks"
+    write_digits_landing(root / "landing")
+    cli_snapshot = create_snapshot(root / "landing", root / "snapshots").snapshot_id
+    _ended_attempt(ledger, TerminationReason.PREEMPTED, run_id="from-cli")
+    _ended_attempt(ledger, TerminationReason.PREEMPTED, run_id="nowhere")
+    _ended_attempt(ledger, TerminationReason.PREEMPTED, run_id="dagster")
+    import sqlalchemy as sa
+
+    from pipeline.ledger.schema import training_runs
+
+    with ledger.engine.begin() as conn:
+        for run_id, snapshot in (
+            ("from-cli", cli_snapshot),
+            ("nowhere", "digits-00000000000000bb"),
+        ):
+            conn.execute(
+                sa.update(training_runs)
+                .where(training_runs.c.run_id == run_id)
+                .values(snapshot_id=snapshot)
+            )
+    result = _resume_tick(ledger, root=root)
+    assert isinstance(result, dg.SensorResult)
+    assert sorted(r.run_key for r in result.run_requests) == [
+        "dagster:attempt-2",
+        "from-cli:attempt-2",
+    ]
+    [add] = result.dynamic_partitions_requests
+    assert list(add.partition_keys) == [cli_snapshot]
+
+
 def test_nightly_retrain_picks_the_newest_snapshot_that_passed_its_checks(
     settings: TracksSettings,
 ) -> None:
@@ -194,7 +284,7 @@ def test_nightly_retrain_picks_the_newest_snapshot_that_passed_its_checks(
                 [data_snapshot],
                 partition_key=snapshot_id,
                 instance=instance,
-                resources={"storage": resources["storage"]},
+                resources={"storage": resources["storage"], "ledger": resources["ledger"]},
                 run_config={"ops": {"data_snapshot": {"config": {"landing_dir": str(landing)}}}},
                 raise_on_error=False,
             )

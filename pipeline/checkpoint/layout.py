@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from pathlib import Path
+
+from pipeline import ids, safepath
+from pipeline.durable import (  # noqa: F401 - the checkpoint protocol's primitives
+    fsync_dir,
+    make_dir_durably,
+    replace_atomically,
+    write_file_durably,
+)
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -13,6 +19,9 @@ TRAINER_STATE_FILE = "trainer_state.json"
 PROBE_FILE = "probe.safetensors"
 MANIFEST_FILE = "MANIFEST.json"
 COMMITTED_FILE = "COMMITTED"
+# Written into a committed directory that failed verification: never a resume target again,
+# and never counted by retention, even when no ledger is attached.
+CORRUPT_FILE = "CORRUPT"
 FORMAT = "tracks-checkpoint/1"
 
 _DIR_RE = re.compile(r"^step-(?P<step>\d{10})-a(?P<attempt>\d{2,})$")
@@ -31,33 +40,6 @@ def parse_checkpoint_dir_name(name: str) -> tuple[int, int] | None:
     return int(match["step"]), int(match["attempt"])
 
 
-def fsync_dir(directory: Path) -> None:
-    # Makes a rename or a new file in the directory durable, not just the file's bytes.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (the directory is fsynced by the caller)."""
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def replace_atomically(path: Path, data: bytes) -> None:
-    """Temp file, fsync, ``os.replace``, fsync the directory: readers see all of it or none."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+def run_dir(store: str | Path, run_id: str) -> Path:
+    """``<store>/<run_id>``: the id validated, the path kept under the store, no link followed."""
+    return safepath.under(Path(store).resolve(), ids.run_id(run_id))

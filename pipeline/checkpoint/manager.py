@@ -38,12 +38,15 @@ from pipeline.checkpoint.errors import (
 )
 from pipeline.checkpoint.layout import (
     COMMITTED_FILE,
+    CORRUPT_FILE,
     MANIFEST_FILE,
     PROBE_FILE,
     TRAINER_STATE_FILE,
     checkpoint_dir_name,
     fsync_dir,
+    make_dir_durably,
     parse_checkpoint_dir_name,
+    replace_atomically,
 )
 from pipeline.checkpoint.state import (
     CapturedCheckpoint,
@@ -353,7 +356,8 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {directory} is already committed; not overwriting")
         if directory.exists():
             shutil.rmtree(directory)  # this attempt's own half-written leftover
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # The run folder's entry in the store is made durable too, not only what is inside it.
+        make_dir_durably(self.run_dir)
         parent = str(self.last_committed.path) if self.last_committed else None
         if self.ledger is not None:
             self.ledger.checkpoint_writing(
@@ -428,7 +432,7 @@ class CheckpointManager:
         # The ledger said committed but COMMITTED never landed: the row must not be lineage.
         state = CheckpointState.CORRUPT if ledger_committed else CheckpointState.WRITING
         try:
-            self.ledger.set_checkpoint_state(str(directory), state, detail)
+            self.ledger.set_checkpoint_state(self.run_id, str(directory), state, detail)
         except Exception as ledger_exc:  # the original error is the one worth raising
             log.warning("could not record %s as abandoned: %s", directory, ledger_exc)
 
@@ -565,8 +569,17 @@ class CheckpointManager:
     def mark_corrupt(self, directory: Path, exc: Exception) -> None:
         log.warning("skipping checkpoint %s: %s", directory, exc)
         self._event("checkpoint_corrupt", {"path": str(directory), "detail": str(exc)})
+        # On disk too, so a trainer without a ledger (and retention) never counts it again.
+        # Never written through a link: a symlinked directory is refused, not marked.
+        if directory.is_dir() and not directory.is_symlink():
+            try:
+                replace_atomically(directory / CORRUPT_FILE, f"{exc}\n".encode())
+            except OSError as write_exc:
+                log.warning("could not mark %s corrupt on disk: %s", directory, write_exc)
         if self.ledger is not None:
-            self.ledger.set_checkpoint_state(str(directory), CheckpointState.CORRUPT, str(exc))
+            self.ledger.set_checkpoint_state(
+                self.run_id, str(directory), CheckpointState.CORRUPT, str(exc)
+            )
 
     # -- retention ------------------------------------------------------------------------
 
@@ -598,6 +611,7 @@ class CheckpointManager:
                 continue
             if self.ledger is not None:
                 self.ledger.set_checkpoint_state(
+                    self.run_id,
                     str(directory),
                     CheckpointState.SUPERSEDED,
                     f"retention: beyond keep_last_k={self.config.keep_last_k}"

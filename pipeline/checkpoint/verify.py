@@ -23,6 +23,7 @@ import torch
 from pipeline.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from pipeline.checkpoint.layout import (
     COMMITTED_FILE,
+    CORRUPT_FILE,
     FORMAT,
     MANIFEST_FILE,
     MODEL_FILE,
@@ -76,16 +77,18 @@ def is_committed(directory: Path) -> bool:
 def checkpoint_dirs(run_dir: Path, *, committed_only: bool = True) -> list[Path]:
     """Checkpoint directories of a run, newest first (step, then attempt).
 
-    Directories without COMMITTED are not checkpoints and are left out unless asked for.
+    Directories without COMMITTED are not checkpoints and are left out unless asked for; so
+    are those with a CORRUPT marker (verification failed once: ruled out for good, with or
+    without a ledger) and symlinks (never followed).
     """
     if not run_dir.is_dir():
         return []
     found = []
     for child in run_dir.iterdir():
         key = parse_checkpoint_dir_name(child.name)
-        if key is None or not child.is_dir():
+        if key is None or child.is_symlink() or not child.is_dir():
             continue
-        if committed_only and not is_committed(child):
+        if committed_only and (not is_committed(child) or (child / CORRUPT_FILE).exists()):
             continue
         found.append((key, child))
     return [path for _, path in sorted(found, reverse=True)]
@@ -123,11 +126,30 @@ def _looks_like_safetensors(head: bytes, size: int) -> bool:
     return 2 <= header_len <= size - 8 and head[8:9] == b"{"
 
 
+def _open_nofollow(path: str | bytes, flags: int) -> int:
+    # Readers never follow a link: a symlinked file could point anywhere on the machine.
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def _refuse_links(directory: Path) -> None:
+    if directory.is_symlink():
+        raise CorruptCheckpointError(directory, ".", "is a symlink; Tracks does not follow links")
+    for entry in os.scandir(directory):
+        if entry.is_symlink():
+            raise CorruptCheckpointError(
+                directory, entry.name, "is a symlink; Tracks does not follow links"
+            )
+
+
 def _read_json(directory: Path, name: str) -> tuple[dict[str, Any], bytes]:
     path = directory / name
     if not path.is_file():
         raise CorruptCheckpointError(directory, name, "missing")
-    raw = path.read_bytes()
+    try:
+        with open(path, "rb", opener=_open_nofollow) as handle:
+            raw = handle.read()
+    except OSError as exc:
+        raise CorruptCheckpointError(directory, name, f"cannot be read ({exc.strerror})") from exc
     try:
         value = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -158,6 +180,7 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, dic
     directory = Path(directory)
     if not directory.is_dir():
         raise CorruptCheckpointError(directory, ".", "directory does not exist")
+    _refuse_links(directory)
     refuse_pickle(directory)
     committed, _ = _read_json(directory, COMMITTED_FILE)
     manifest, manifest_raw = _read_json(directory, MANIFEST_FILE)
@@ -313,7 +336,7 @@ def read_verified(directory: Path, name: str, size: int, sha256: str) -> torch.T
         hasher.start()
     offset = 0
     try:
-        with open(path, "rb", buffering=0) as handle:
+        with open(path, "rb", buffering=0, opener=_open_nofollow) as handle:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             while offset < size:

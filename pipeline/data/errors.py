@@ -85,3 +85,33 @@ class EmptySplitError(DataError):
     def __init__(self, split: str) -> None:
         super().__init__(f"split {split!r} has no rows")
         self.split = split
+
+
+class BlockedSnapshotError(DataError):
+    """A snapshot whose blocking checks failed: nothing trains on it, by any path."""
+
+    def __init__(self, snapshot_id: str, manifest_sha256: str, failed: dict[str, str]) -> None:
+        checks = "; ".join(f"{name}: {summary}" for name, summary in failed.items())
+        super().__init__(
+            f"snapshot {snapshot_id} (manifest {manifest_sha256[:16]}) failed its blocking "
+            f"checks, so nothing trains on it — {checks}"
+        )
+        self.snapshot_id = snapshot_id
+        self.manifest_sha256 = manifest_sha256
+        self.failed = failed
+
+
+class SnapshotTamperedError(DataError):
+    """The snapshot's manifest differs from the one recorded when it was made and checked."""
+
+    def __init__(self, snapshot_id: str, detail: str) -> None:
+        super().__init__(f"snapshot {snapshot_id}: {detail}")
+        self.snapshot_id = snapshot_id
+
+
+class LandingFileError(DataError):
+    """A landing file that is not readable Parquet: zero bytes, truncated, another format."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"landing file {path}: {problem}")
+        self.path = path

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline import ids, safepath
 from pipeline.data._fs import fsync_dir, fsync_file
 from pipeline.data.columns import (
     LABEL,
@@ -66,11 +67,10 @@ def write_digits_landing(
     if drift is not None:
         columns = _apply_drift(columns, Drift(drift), rng)
 
-    name = file_name or DEFAULT_FILE_NAME
-    if not name.endswith(".parquet") or Path(name).name.startswith((".", "_")):
-        # landing_files would never see it, and the data would silently never be snapshotted.
-        raise ValueError(f"landing file name {name!r} must end in .parquet and not be hidden")
-    path = Path(landing_dir) / name
+    # One plain .parquet name, never a path: `../x.parquet` would land outside the folder, and a
+    # hidden name would never be seen by landing_files (the data silently never snapshotted).
+    name = ids.landing_file_name(file_name or DEFAULT_FILE_NAME)
+    path = safepath.under(Path(landing_dir).resolve(), name)
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_atomically(pa.table(columns), path)
     return path

@@ -48,12 +48,34 @@ def check_data_quality(df: pd.DataFrame) -> CheckOutcome:
     suite = build_quality_suite(present_columns=set(map(str, df.columns)))
     batch = batch_definition.get_batch(batch_parameters={"dataframe": df})
     result = batch.validate(suite, result_format="SUMMARY")
-    failures = _failures(result.results)
+    failures = _failures(result.results) + _missing_splits(df)
     return CheckOutcome.from_failures(
         QUALITY_CHECK,
         failures,
         passed_summary=f"{len(result.results)} expectations met on {len(df)} rows",
     )
+
+
+SPLITS_RULE = "every split (train, eval) has rows"
+
+
+def _missing_splits(df: pd.DataFrame) -> list[CheckFailure]:
+    # A snapshot without an eval split would pass every row rule and only fail in training,
+    # after the accelerator is spent; it is bad data, stopped here.
+    if SPLIT not in df.columns:
+        return []
+    present = set(df[SPLIT].dropna().astype(str))
+    missing = [s for s in SPLITS if s not in present]
+    if not missing:
+        return []
+    return [
+        CheckFailure(
+            column=SPLIT,
+            rule=SPLITS_RULE,
+            failing_count=len(missing),
+            detail=f"no rows in split(s) {', '.join(missing)}",
+        )
+    ]
 
 
 def build_quality_suite(present_columns: set[str]) -> ExpectationSuite:

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from pipeline.data._fs import fsync_dir, fsync_file
 from pipeline.data.errors import (
     LandingChangedError,
+    LandingFileError,
     NoLandingFilesError,
     SnapshotIntegrityError,
     SnapshotMismatchError,
@@ -123,6 +124,7 @@ def create_snapshot(
     staging = Path(tempfile.mkdtemp(prefix=f".staging-{snapshot_id}-", dir=snapshot_root))
     try:
         entries = [_copy_into(f, staging / DATA_DIR, snapshot_id) for f in files]
+        fsync_dir(staging / DATA_DIR)  # the copied files' entries, not only their bytes
         manifest = {
             "manifest_version": MANIFEST_VERSION,
             "snapshot_id": snapshot_id,
@@ -245,6 +247,16 @@ def verify_snapshot(snapshot: Snapshot) -> None:
         digest = sha256_file(path)
         if digest != entry["sha256"]:
             problems.append((relative, f"sha256 {digest}, manifest says {entry['sha256']}"))
+            continue
+        # Facts the manifest states about the data are checked against the data itself.
+        rows = pq.ParquetFile(path).metadata.num_rows
+        if rows != entry["rows"]:
+            problems.append((relative, f"holds {rows} rows, manifest says {entry['rows']}"))
+    counted = sum(e["rows"] for e in entries if isinstance(e.get("rows"), int))
+    if snapshot.row_count != counted:
+        problems.append(
+            (MANIFEST_NAME, f"row_count {snapshot.row_count}, its files list {counted} rows")
+        )
 
     if snapshot.data_dir.is_dir():
         for path in sorted(snapshot.data_dir.rglob("*")):
@@ -311,8 +323,24 @@ def _copy_into(landing: LandingFile, data_dir: Path, snapshot_id: str) -> dict[s
         "name": landing.name,
         "bytes": size,
         "sha256": landing.sha256,
-        "rows": pq.ParquetFile(target).metadata.num_rows,
+        "rows": _parquet_rows(target, landing.path),
     }
+
+
+def _parquet_rows(path: Path, landing_path: Path) -> int:
+    # A zero-byte, truncated or non-Parquet landing file is bad input naming that file, not a
+    # pyarrow traceback about "a file" somewhere in a staging folder.
+    import pyarrow as pa
+
+    if path.stat().st_size == 0:
+        raise LandingFileError(landing_path, "is empty (0 bytes), not a Parquet file")
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LandingFileError(
+            landing_path, f"is not a readable Parquet file (truncated or another format: {first})"
+        ) from exc
 
 
 def _columns(data_dir: Path, entries: list[dict[str, Any]]) -> list[dict[str, str]]:

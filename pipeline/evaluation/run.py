@@ -7,6 +7,7 @@ artifacts themselves (raw outputs, sampled failures, metrics, confusion matrix).
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 import uuid
@@ -20,6 +21,11 @@ from pipeline.evaluation.evaluators import get_evaluator
 from pipeline.ledger.ledger import utcnow
 from pipeline.ledger.records import EvaluationRecord
 from pipeline.states import EvaluationStatus, TerminationReason
+
+# Drill hook: ``<evaluator>`` or ``<evaluator>:<n>`` makes that evaluator crash inside its
+# evaluation, the first ``n`` times for a checkpoint (counted from the ledger's failed rows, so it
+# holds across processes and retries); ``n`` defaults to every time.
+FAULT_EVALUATOR_CRASH = "TRACKS_FAULT_EVALUATOR_CRASH"
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -105,16 +111,22 @@ def run_evaluation(
 
     client = mlflow_client(settings)
     experiment_id = get_or_create_experiment(client, settings, EVALUATION_EXPERIMENT)
+    from pipeline.tracking import TRAINING_RUN_TAG, training_run_of
+
+    tags = _run_tags(provenance)
+    if training := training_run_of(client, run_id):
+        tags[TRAINING_RUN_TAG] = training  # MLflow's UI links the evaluation to its training
     mlflow_run = client.create_run(
         experiment_id,
         run_name=f"{evaluator.name} {run_id}#{attempt_no} step {checkpoint.step}",
-        tags=_run_tags(provenance),
+        tags=tags,
     )
     mlflow_run_id = mlflow_run.info.run_id
     finished = False
     try:
         _log_params(client, mlflow_run_id, provenance)
         try:
+            _fault_evaluator_crash(ledger, evaluator.name, checkpoint.manifest_sha256)
             result = evaluator.evaluate(
                 model, eval_set.images, eval_set.labels, list(eval_set.sample_ids)
             )
@@ -160,6 +172,29 @@ def run_evaluation(
             ended_at=utcnow(),
         )
     )
+
+
+class InjectedEvaluatorCrash(RuntimeError):
+    """Raised by the ``TRACKS_FAULT_EVALUATOR_CRASH`` drill hook, never in normal operation."""
+
+
+def _fault_evaluator_crash(ledger: Ledger, evaluator_name: str, manifest_sha256: str) -> None:
+    spec = os.environ.get(FAULT_EVALUATOR_CRASH)
+    if not spec:
+        return
+    name, _, times = spec.partition(":")
+    if name != evaluator_name:
+        return
+    if times:
+        crashed = [
+            e
+            for e in ledger.evaluations_for_checkpoint(manifest_sha256)
+            if e.evaluator_name == evaluator_name
+            and e.termination_reason == TerminationReason.EVALUATOR_CRASH
+        ]
+        if len(crashed) >= int(times):
+            return
+    raise InjectedEvaluatorCrash(f"injected by {FAULT_EVALUATOR_CRASH}={spec}")
 
 
 def _check_attempt(checkpoint: CommittedCheckpoint, run_id: str, attempt_no: int) -> None:

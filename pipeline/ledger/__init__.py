@@ -2,9 +2,11 @@
 
 from pipeline.ledger.errors import (
     LedgerError,
+    SnapshotManifestChangedError,
     StaleFencingTokenError,
     UnknownAttemptError,
     UnknownRunError,
+    UnknownSnapshotError,
 )
 from pipeline.ledger.ledger import Ledger
 from pipeline.ledger.records import (
@@ -15,6 +17,8 @@ from pipeline.ledger.records import (
     EvaluationRecord,
     PromotionRecord,
     RunRecord,
+    SnapshotCheckRecord,
+    SnapshotRecord,
 )
 
 __all__ = [
@@ -27,7 +31,11 @@ __all__ = [
     "LedgerError",
     "PromotionRecord",
     "RunRecord",
+    "SnapshotCheckRecord",
+    "SnapshotManifestChangedError",
+    "SnapshotRecord",
     "StaleFencingTokenError",
     "UnknownAttemptError",
     "UnknownRunError",
+    "UnknownSnapshotError",
 ]

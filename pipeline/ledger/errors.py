@@ -32,3 +32,22 @@ class StaleFencingTokenError(LedgerError):
         self.attempt_no = attempt_no
         self.token = token
         self.current = current
+
+
+class UnknownSnapshotError(LedgerError):
+    def __init__(self, snapshot_id: str) -> None:
+        super().__init__(f"snapshot {snapshot_id!r} is not in the ledger")
+        self.snapshot_id = snapshot_id
+
+
+class SnapshotManifestChangedError(LedgerError):
+    """The snapshot's manifest on disk is not the one the ledger registered: it was edited."""
+
+    def __init__(self, snapshot_id: str, registered: str, found: str) -> None:
+        super().__init__(
+            f"snapshot {snapshot_id}: manifest.json has sha256 {found}, but the ledger "
+            f"registered {registered}; the manifest was changed after the snapshot was made"
+        )
+        self.snapshot_id = snapshot_id
+        self.registered = registered
+        self.found = found

@@ -8,8 +8,11 @@ because the database blinked.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import re
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -17,10 +20,17 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 
+from pipeline import ids
 from pipeline.ledger import schema
-from pipeline.ledger.errors import StaleFencingTokenError, UnknownAttemptError, UnknownRunError
+from pipeline.ledger.errors import (
+    SnapshotManifestChangedError,
+    StaleFencingTokenError,
+    UnknownAttemptError,
+    UnknownRunError,
+    UnknownSnapshotError,
+)
 from pipeline.ledger.records import (
     AttemptRecord,
     AttemptStart,
@@ -29,6 +39,8 @@ from pipeline.ledger.records import (
     EvaluationRecord,
     PromotionRecord,
     RunRecord,
+    SnapshotCheckRecord,
+    SnapshotRecord,
 )
 from pipeline.states import (
     AttemptStatus,
@@ -39,10 +51,32 @@ from pipeline.states import (
     TerminationReason,
 )
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R", RunRecord, AttemptRecord, CheckpointRecord, EvaluationRecord, PromotionRecord)
 
-_RETRIES = 5
+# How long a transaction keeps being retried across a database restart or failover before the
+# error is raised: long enough for a PostgreSQL restart with dirty buffers to flush.
+DEFAULT_RETRY_SECONDS = 60.0
+RETRY_SECONDS_ENV = "TRACKS_LEDGER_RETRY_SECONDS"
+# SQLSTATEs worth a retry: connection exceptions (08xxx), admin/crash shutdown and "cannot
+# connect now" while starting (57P01-57P03), serialization failure and deadlock, too many
+# connections.
+_RETRYABLE_SQLSTATES = ("57P01", "57P02", "57P03", "40001", "40P01", "53300")
+_RETRYABLE_TEXT = (
+    "database is locked",
+    "server closed",
+    "terminating connection",
+    "could not connect",
+    "connection refused",
+    "connection reset",
+    "the database system is shutting down",
+    "the database system is starting up",
+    "the database system is in recovery mode",
+    "connection already closed",
+    "ssl connection has been closed",
+    "no connection to the server",
+)
 _MIGRATIONS = Path(__file__).with_name("migrations")
 _REVISION_LINE = re.compile(r"^(down_revision|revision)\s*=\s*['\"]([^'\"]+)['\"]", re.M)
 
@@ -100,23 +134,46 @@ def _make_engine(url: str) -> Engine:
     return sa.create_engine(url, pool_pre_ping=True, pool_recycle=1800)
 
 
-def _is_retryable(exc: DBAPIError) -> bool:
+def is_retryable(exc: BaseException) -> bool:
+    """Whether ``exc`` is transient: the same transaction may succeed once the server is back."""
+    if not isinstance(exc, DBAPIError):
+        return False
     if exc.connection_invalidated:
         return True
-    if isinstance(exc, OperationalError):
-        text = str(exc.orig).lower()
-        return any(
-            marker in text
-            for marker in (
-                "database is locked",
-                "server closed",
-                "terminating connection",
-                "could not connect",
-                "connection refused",
-                "connection reset",
-            )
-        )
-    return False
+    code = getattr(exc.orig, "pgcode", None)
+    if isinstance(code, str) and (code.startswith("08") or code in _RETRYABLE_SQLSTATES):
+        return True
+    if isinstance(exc, IntegrityError):
+        return False
+    text = str(exc.orig).lower()
+    return any(marker in text for marker in _RETRYABLE_TEXT)
+
+
+def _retry_budget() -> float:
+    raw = os.environ.get(RETRY_SECONDS_ENV)
+    if not raw:
+        return DEFAULT_RETRY_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{RETRY_SECONDS_ENV}={raw!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{RETRY_SECONDS_ENV}={raw!r} must be a finite number >= 0")
+    return value
+
+
+def _raised(column: sa.Column[Any], value: int) -> Any:
+    """``column`` raised to ``value``, never lowered (the step an attempt reached only grows)."""
+    return sa.case((column.is_(None), value), (column < value, value), else_=column)
+
+
+def _step_of_checkpoint(path: str | None) -> int | None:
+    from pipeline.checkpoint.layout import parse_checkpoint_dir_name
+
+    if path is None:
+        return 0
+    parsed = parse_checkpoint_dir_name(Path(path).name)
+    return parsed[0] if parsed else None
 
 
 class Ledger:
@@ -131,8 +188,10 @@ class Ledger:
         """Connect and bring the schema to the newest migration."""
         ledger = cls(url)
         head = head_revision()
-        if head is None or ledger.schema_revision() != head:
-            ledger.upgrade()
+        # Under the same retry budget as every transaction: a trainer that starts while the
+        # server restarts must wait for it, not die before its first step.
+        if head is None or ledger._retry(ledger.schema_revision) != head:
+            ledger._retry(ledger.upgrade)
         return ledger
 
     def schema_revision(self) -> str | None:
@@ -146,7 +205,9 @@ class Ledger:
                 return conn.execute(
                     sa.text("SELECT version_num FROM tracks_ledger_version")
                 ).scalar()
-        except DBAPIError:
+        except DBAPIError as exc:
+            if is_retryable(exc):
+                raise  # the server is away, not the table: the caller retries
             return None
 
     def upgrade(self, revision: str = "head") -> None:
@@ -165,18 +226,38 @@ class Ledger:
     # -- plumbing ---------------------------------------------------------------------------
 
     def _tx(self, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn`` in one transaction, retrying the whole transaction on a disconnect."""
-        delay = 0.2
-        for attempt in range(_RETRIES):
+        """Run ``fn`` in one transaction, retrying the whole transaction while it is transient.
+
+        Retried for up to ``TRACKS_LEDGER_RETRY_SECONDS`` (60 s): a server restart, a failover,
+        a deadlock. A transaction whose COMMIT was sent but whose answer was lost may have
+        happened: every write is idempotent (keyed by identity, or by a uid made once per
+        call), so running it again finds what the first run did instead of doing it twice.
+        """
+
+        def _once() -> T:
+            with self.engine.begin() as conn:
+                return fn(conn)
+
+        return self._retry(_once)
+
+    def _retry(self, fn: Callable[[], T]) -> T:
+        """``fn()``, run again while it fails with a transient database error, within budget."""
+        deadline = time.monotonic() + _retry_budget()
+        delay = 0.1
+        self.retries = getattr(self, "retries", 0)
+        while True:
             try:
-                with self.engine.begin() as conn:
-                    return fn(conn)
+                return fn()
             except DBAPIError as exc:
-                if attempt == _RETRIES - 1 or not _is_retryable(exc):
+                if not is_retryable(exc) or time.monotonic() + delay > deadline:
                     raise
+                self.retries += 1
+                log.warning("ledger transaction failed (%s); retrying in %.1fs", _first(exc), delay)
+                if not self.url.startswith("sqlite"):
+                    # A restart invalidates every pooled connection at once: drop them all.
+                    self.engine.dispose()
                 time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-        raise AssertionError("unreachable")
+                delay = min(delay * 2, 2.0)
 
     def _records(self, query: sa.Select[Any], record: type[R]) -> list[R]:
         """Every row ``query`` returns, as ``record``s."""
@@ -198,8 +279,9 @@ class Ledger:
         retry_policy: dict[str, Any] | None = None,
     ) -> RunRecord:
         values = {
-            "run_id": run_id,
-            "model_family": model_family,
+            # The ledger is an entry point too: an id it accepts becomes a folder elsewhere.
+            "run_id": ids.run_id(run_id),
+            "model_family": ids.model_family(model_family),
             "owner": owner,
             "purpose": str(Purpose(purpose)),
             "config_sha256": config_sha256,
@@ -258,9 +340,17 @@ class Ledger:
         Bumping the run's token here is what makes every older attempt stale: their
         checkpoint commits are refused from now on.
         """
+        ids.run_id(run_id)
         runs, attempts = schema.training_runs, schema.training_attempts
+        # Made once per call: a retried transaction whose first COMMIT did land finds its row.
+        uid = str(uuid.uuid4())
 
         def _begin(conn: Connection) -> int:
+            done = conn.execute(
+                sa.select(attempts.c.attempt_no).where(attempts.c.attempt_uid == uid)
+            ).scalar()
+            if done is not None:
+                return int(done)
             bumped = conn.execute(
                 sa.update(runs)
                 .where(runs.c.run_id == run_id)
@@ -291,7 +381,11 @@ class Ledger:
                     placement=start.placement,
                     code_commit=start.code_commit,
                     resumed_from_checkpoint=start.resumed_from_checkpoint,
+                    restored_step=_step_of_checkpoint(start.resumed_from_checkpoint),
                     fencing_token=token,
+                    attempt_uid=uid,
+                    launched_by=start.launched_by,
+                    admission=start.admission,
                 )
             )
             return attempt_no
@@ -369,7 +463,12 @@ class Ledger:
         query = cost_by_reason_query(model_family, (now or utcnow()) - timedelta(days=days))
         rows = self._tx(lambda conn: conn.execute(query).all())
         return [
-            CostRow(termination_reason=r[0], attempts=int(r[1]), gpu_hours=float(r[2] or 0.0))
+            CostRow(
+                termination_reason=r[0],
+                attempts=int(r[1]),
+                gpu_hours=float(r[2] or 0.0),
+                cpu_hours=float(r[3] or 0.0),
+            )
             for r in rows
         ]
 
@@ -394,7 +493,7 @@ class Ledger:
         t = schema.training_attempts
         values: dict[str, Any] = {"heartbeat_at": utcnow()}
         if step is not None:
-            values["last_step"] = step
+            values["last_step"] = _raised(t.c.last_step, step)
         self._tx(
             lambda conn: conn.execute(
                 sa.update(t)
@@ -436,7 +535,8 @@ class Ledger:
             "retry_decision": retry_decision,
         }
         if last_step is not None:
-            values["last_step"] = last_step
+            # The step reached: a commit at a lower step never hides the steps trained past it.
+            values["last_step"] = _raised(t.c.last_step, last_step)
 
         def _end(conn: Connection) -> int:
             return conn.execute(
@@ -456,7 +556,18 @@ class Ledger:
             lambda conn: conn.execute(
                 sa.update(t)
                 .where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
-                .values(resumed_from_checkpoint=path)
+                .values(resumed_from_checkpoint=path, restored_step=_step_of_checkpoint(path))
+            )
+        )
+
+    def set_timings(self, run_id: str, attempt_no: int, timings: dict[str, Any]) -> None:
+        """What the trainer's clocks measured (process, set-up, training loop), in seconds."""
+        t = schema.training_attempts
+        self._tx(
+            lambda conn: conn.execute(
+                sa.update(t)
+                .where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
+                .values(timings=timings)
             )
         )
 
@@ -570,12 +681,21 @@ class Ledger:
         return self.get_checkpoint(path)
 
     def set_checkpoint_state(
-        self, path: str, state: CheckpointState, detail: str | None = None
-    ) -> None:
+        self, run_id: str, path: str, state: CheckpointState, detail: str | None = None
+    ) -> int:
+        """Set the state of run ``run_id``'s checkpoint at ``path``; returns the rows changed.
+
+        Keyed by the run as well as the path: one run can never mark another run's checkpoints,
+        whatever path it was handed.
+        """
         t = schema.checkpoints
-        self._tx(
-            lambda conn: conn.execute(
-                sa.update(t).where(t.c.path == path).values(state=str(state), state_detail=detail)
+        return self._tx(
+            lambda conn: (
+                conn.execute(
+                    sa.update(t)
+                    .where(t.c.path == path, t.c.run_id == run_id)
+                    .values(state=str(state), state_detail=detail)
+                ).rowcount
             )
         )
 
@@ -635,9 +755,149 @@ class Ledger:
             EvaluationRecord,
         )
 
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def register_snapshot(
+        self,
+        *,
+        snapshot_id: str,
+        manifest_sha256: str,
+        content_sha256: str | None,
+        rows: int | None,
+        source: str | None,
+        dagster_run_id: str | None = None,
+    ) -> SnapshotRecord:
+        """The snapshot's row, created once (snapshots are immutable); repeating it is a no-op.
+
+        A row for the same id with another manifest digest means the manifest was edited after
+        it was registered: refused, naming both digests.
+        """
+        ids.snapshot_id(snapshot_id)
+        t = schema.snapshots
+
+        def _register(conn: Connection) -> None:
+            found = conn.execute(
+                sa.select(t.c.manifest_sha256).where(t.c.snapshot_id == snapshot_id)
+            ).scalar()
+            if found is None:
+                conn.execute(
+                    sa.insert(t).values(
+                        snapshot_id=snapshot_id, manifest_sha256=manifest_sha256,
+                        content_sha256=content_sha256, rows=rows, source=source,
+                        created_at=utcnow(), verdict="unchecked", dagster_run_id=dagster_run_id,
+                    )
+                )  # fmt: skip
+            elif found != manifest_sha256:
+                raise SnapshotManifestChangedError(snapshot_id, found, manifest_sha256)
+
+        self._tx(_register)
+        return self.get_snapshot(snapshot_id)
+
+    def get_snapshot(self, snapshot_id: str) -> SnapshotRecord:
+        t = schema.snapshots
+        row = self._tx(
+            lambda conn: conn.execute(sa.select(t).where(t.c.snapshot_id == snapshot_id)).first()
+        )
+        if row is None:
+            raise UnknownSnapshotError(snapshot_id)
+        return SnapshotRecord.from_row(row)
+
+    def snapshots(
+        self, *, verdict: str | None = None, since: datetime | None = None
+    ) -> list[SnapshotRecord]:
+        t = schema.snapshots
+        query = sa.select(t).order_by(t.c.created_at)
+        if verdict is not None:
+            query = query.where(t.c.verdict == verdict)
+        if since is not None:
+            query = query.where(t.c.created_at >= since)
+        return self._records(query, SnapshotRecord)
+
+    def record_snapshot_checks(
+        self,
+        snapshot_id: str,
+        manifest_sha256: str,
+        checks: Sequence[SnapshotCheckRecord],
+    ) -> SnapshotRecord:
+        """Record check outcomes for one exact manifest and derive the snapshot's verdict.
+
+        Idempotent: a check recorded again replaces its earlier row for the same manifest.
+        """
+        t, s = schema.snapshot_checks, schema.snapshots
+
+        def _record(conn: Connection) -> None:
+            registered = conn.execute(
+                sa.select(s.c.manifest_sha256).where(s.c.snapshot_id == snapshot_id)
+            ).scalar()
+            if registered is None:
+                raise UnknownSnapshotError(snapshot_id)
+            if registered != manifest_sha256:
+                raise SnapshotManifestChangedError(snapshot_id, registered, manifest_sha256)
+            for check in checks:
+                conn.execute(
+                    sa.delete(t).where(
+                        t.c.snapshot_id == snapshot_id,
+                        t.c.manifest_sha256 == manifest_sha256,
+                        t.c.check_name == check.check_name,
+                    )
+                )
+                conn.execute(sa.insert(t).values(**_record_values(check, t)))
+            rows = conn.execute(
+                sa.select(t.c.blocking, t.c.passed).where(
+                    t.c.snapshot_id == snapshot_id, t.c.manifest_sha256 == manifest_sha256
+                )
+            ).all()
+            blocked = any(blocking and not passed for blocking, passed in rows)
+            conn.execute(
+                sa.update(s)
+                .where(s.c.snapshot_id == snapshot_id)
+                .values(verdict="blocked" if blocked else "passed", verdict_at=utcnow())
+            )
+
+        self._tx(_record)
+        return self.get_snapshot(snapshot_id)
+
+    def snapshot_checks(self, snapshot_id: str, manifest_sha256: str) -> list[SnapshotCheckRecord]:
+        t = schema.snapshot_checks
+        return self._records(
+            sa.select(t)
+            .where(t.c.snapshot_id == snapshot_id, t.c.manifest_sha256 == manifest_sha256)
+            .order_by(t.c.check_name),
+            SnapshotCheckRecord,
+        )
+
+    def snapshots_with_content(self, content_sha256: str) -> list[SnapshotRecord]:
+        """Every snapshot whose files hold byte-identical data (whatever their names)."""
+        t = schema.snapshots
+        return self._records(
+            sa.select(t).where(t.c.content_sha256 == content_sha256).order_by(t.c.created_at),
+            SnapshotRecord,
+        )
+
     def record_promotion(self, record: PromotionRecord) -> PromotionRecord:
+        """Record the decision and, in the same transaction, the run's status it implies."""
         values = _record_values(record, schema.promotions)
-        self._tx(lambda conn: conn.execute(sa.insert(schema.promotions).values(**values)))
+        status = (
+            RunStatus.PROMOTED
+            if record.decision == PromotionDecision.PROMOTED
+            else RunStatus.REFUSED
+        )
+        runs, promotions = schema.training_runs, schema.promotions
+
+        def _record(conn: Connection) -> None:
+            # Keyed by promotion id: a retried transaction that already landed is not repeated.
+            exists = conn.execute(
+                sa.select(promotions.c.promotion_id).where(
+                    promotions.c.promotion_id == record.promotion_id
+                )
+            ).first()
+            if exists is None:
+                conn.execute(sa.insert(promotions).values(**values))
+            conn.execute(
+                sa.update(runs).where(runs.c.run_id == record.run_id).values(status=str(status))
+            )
+
+        self._tx(_record)
         return record
 
     def promotions(
@@ -663,12 +923,20 @@ class Ledger:
         return promoted[0] if promoted else None
 
 
+def _first(exc: BaseException) -> str:
+    from pipeline import redact
+
+    lines = str(getattr(exc, "orig", exc)).strip().splitlines()
+    return redact.text(lines[0] if lines else type(exc).__name__)
+
+
 def cost_by_reason_query(model_family: str, since: datetime) -> sa.Select[Any]:
     """The seed question as a SQLAlchemy query (``Ledger.cost_by_reason``; the benchmark's plan)."""
     t = schema.training_attempts
     gpu_hours = (sa.func.sum(t.c.gpu_seconds) / 3600.0).label("gpu_hours")
+    cpu_hours = (sa.func.sum(t.c.cpu_seconds) / 3600.0).label("cpu_hours")
     return (
-        sa.select(t.c.termination_reason, sa.func.count().label("attempts"), gpu_hours)
+        sa.select(t.c.termination_reason, sa.func.count().label("attempts"), gpu_hours, cpu_hours)
         .where(t.c.model_family == model_family, t.c.started_at >= since)
         .group_by(t.c.termination_reason)
         .order_by(gpu_hours.desc(), t.c.termination_reason.asc().nulls_last())

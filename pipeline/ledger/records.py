@@ -63,6 +63,14 @@ class AttemptRecord(_Record):
     resumed_from_checkpoint: str | None
     fencing_token: int
     retry_decision: dict[str, Any] | None
+    attempt_uid: str | None = None
+    # Evidence of who or what launched the attempt: {"via": "sensor"|"schedule"|"ui"|"cli"|...,
+    # "name": sensor/schedule/user, "dagster_run_id": ...}.
+    launched_by: dict[str, Any] | None = None
+    # Which rule let it start: the retry decision it continues, or a person's relaunch.
+    admission: dict[str, Any] | None = None
+    restored_step: int | None = None  # the step its checkpoint restored (0: fresh start)
+    timings: dict[str, Any] | None = None  # what each clock measured, in seconds
 
     @property
     def key(self) -> str:
@@ -150,16 +158,18 @@ class PromotionRecord(_Record):
     decided_at: datetime
     model_version: str | None = None
     previous_champion_version: str | None = None
+    serving_manifest: dict[str, Any] | None = None
     dagster_run_id: str | None = None
 
 
 @dataclass(frozen=True)
 class CostRow:
-    """One line of the cost question: attempts and GPU-hours per termination reason."""
+    """One line of the cost question: attempts, GPU- and CPU-hours per termination reason."""
 
     termination_reason: str | None  # None while an attempt is still running
     attempts: int
     gpu_hours: float
+    cpu_hours: float = 0.0  # process CPU time of the trainer: on a CPU run, where the time went
 
 
 @dataclass(frozen=True)
@@ -174,3 +184,34 @@ class AttemptStart:
     dagster_run_id: str | None = None
     code_commit: str | None = None
     resumed_from_checkpoint: str | None = None
+    launched_by: dict[str, Any] | None = None
+    admission: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotRecord(_Record):
+    """A data snapshot as the ledger knows it, and the verdict of its blocking checks."""
+
+    snapshot_id: str
+    manifest_sha256: str
+    created_at: datetime
+    verdict: str  # passed | blocked | unchecked, for this exact manifest digest
+    content_sha256: str | None = None
+    rows: int | None = None
+    source: str | None = None
+    verdict_at: datetime | None = None
+    dagster_run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotCheckRecord(_Record):
+    """One check run on one exact manifest."""
+
+    snapshot_id: str
+    manifest_sha256: str
+    check_name: str
+    blocking: bool
+    passed: bool
+    checked_at: datetime
+    detail: dict[str, Any] | None = None
+    dagster_run_id: str | None = None

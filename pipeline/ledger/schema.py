@@ -60,6 +60,17 @@ training_attempts = sa.Table(
     sa.Column("resumed_from_checkpoint", sa.String(512)),
     sa.Column("fencing_token", sa.Integer, nullable=False),
     sa.Column("retry_decision", JSONType),
+    # One uid per begin_attempt call: a retried transaction that already committed is found by
+    # it instead of opening a second attempt.
+    sa.Column("attempt_uid", sa.String(36), unique=True),
+    # Evidence of who launched the attempt (sensor, schedule, UI, CLI, canary, with the Dagster
+    # run id and tags) and which rule allowed it (retry policy decision or a person's relaunch).
+    sa.Column("launched_by", JSONType),
+    sa.Column("admission", JSONType),
+    # The step the checkpoint restored at start; ``last_step`` is the step reached (never lowered).
+    sa.Column("restored_step", sa.Integer),
+    # What each clock measured: receipt (start to end), trainer process, setup, training loop.
+    sa.Column("timings", JSONType),
     # The cost question filters on family and time and sums by reason: an index that covers it.
     sa.Index(
         "ix_training_attempts_family_started",
@@ -67,6 +78,7 @@ training_attempts = sa.Table(
         "started_at",
         "termination_reason",
         "gpu_seconds",
+        "cpu_seconds",
     ),
     # `tracks attempts` lists newest first; the resume sensor looks for silent running attempts.
     sa.Index("ix_training_attempts_started", "started_at"),
@@ -142,7 +154,42 @@ promotions = sa.Table(
     sa.Column("model_name", sa.String(128), nullable=False),
     sa.Column("model_version", sa.String(32)),
     sa.Column("previous_champion_version", sa.String(32)),
+    # What serving must verify before it loads the version: file names, sizes and digests.
+    sa.Column("serving_manifest", JSONType),
     sa.Column("dagster_run_id", sa.String(64)),
     sa.Column("decided_at", UTCDateTime, nullable=False),
     sa.Index("ix_promotions_model", "model_name", "decided_at"),
+)
+
+# A data snapshot as the ledger knows it: registered when it is created, so a batch stopped by
+# its blocking checks still leaves a row that `tracks explain`, `attempts` and `cost` can show.
+snapshots = sa.Table(
+    "snapshots",
+    metadata,
+    sa.Column("snapshot_id", sa.String(128), primary_key=True),
+    sa.Column("manifest_sha256", sa.String(64), nullable=False),
+    sa.Column("content_sha256", sa.String(64)),
+    sa.Column("rows", sa.Integer),
+    sa.Column("source", sa.Text),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    # passed | blocked | unchecked: derived from snapshot_checks for this manifest digest.
+    sa.Column("verdict", sa.String(16), nullable=False, server_default="unchecked"),
+    sa.Column("verdict_at", UTCDateTime),
+    sa.Column("dagster_run_id", sa.String(64)),
+)
+
+# One row per check run on one exact manifest: a verdict for another manifest never counts.
+snapshot_checks = sa.Table(
+    "snapshot_checks",
+    metadata,
+    sa.Column(
+        "snapshot_id", sa.String(128), sa.ForeignKey("snapshots.snapshot_id"), primary_key=True
+    ),
+    sa.Column("manifest_sha256", sa.String(64), primary_key=True),
+    sa.Column("check_name", sa.String(64), primary_key=True),
+    sa.Column("blocking", sa.Boolean, nullable=False),
+    sa.Column("passed", sa.Boolean, nullable=False),
+    sa.Column("detail", JSONType),
+    sa.Column("checked_at", UTCDateTime, nullable=False),
+    sa.Column("dagster_run_id", sa.String(64)),
 )

@@ -67,6 +67,7 @@ def promote(
     from pipeline.serving.loading import open_committed_checkpoint
 
     checkpoint = open_committed_checkpoint(checkpoint_dir)
+    _require_ledger_committed(ledger, checkpoint, run_id)
     required = list(required) if required is not None else required_evaluators()
     client = mlflow_client(settings)
 
@@ -125,6 +126,8 @@ def promote(
         version = _register(client, settings, model_name, checkpoint, record, evaluations, decision)
         client.set_registered_model_alias(model_name, CHAMPION_ALIAS, version)
 
+    from pipeline.serving.champion import serving_manifest
+
     return ledger.record_promotion(
         dataclasses.replace(
             record,
@@ -132,6 +135,8 @@ def promote(
             model_version=str(version),
             previous_champion_version=previous,
             decided_at=utcnow(),
+            # What serving verifies before it loads a byte of this version.
+            serving_manifest=serving_manifest(checkpoint.path, checkpoint.manifest_sha256),
         )
     )
 
@@ -146,6 +151,29 @@ def _champion(client: MlflowClient, model_name: str) -> ModelVersion | None:
         if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             return None
         raise
+
+
+class UnvouchedCheckpointError(Exception):
+    """A checkpoint the ledger does not record as committed with the bytes on disk."""
+
+
+def _require_ledger_committed(ledger: Ledger, checkpoint: CommittedCheckpoint, run_id: str) -> None:
+    # A directory that verifies against its own MANIFEST.json proves only self-consistency:
+    # promotion needs the ledger's word that training committed exactly these bytes.
+    try:
+        row = ledger.get_checkpoint(checkpoint.path)
+    except LookupError:
+        row = None
+    if row is None or row.run_id != run_id:
+        raise UnvouchedCheckpointError(
+            f"checkpoint {checkpoint.path} is not a checkpoint of run {run_id} in the ledger"
+        )
+    if row.state != "committed" or row.manifest_sha256 != checkpoint.manifest_sha256:
+        raise UnvouchedCheckpointError(
+            f"checkpoint {checkpoint.path}: the ledger records it {row.state} with manifest "
+            f"{(row.manifest_sha256 or '—')[:16]}, the directory holds "
+            f"{checkpoint.manifest_sha256[:16]}; only what training committed is promoted"
+        )
 
 
 def _promotion_for_version(ledger: Ledger, model_name: str, version: str) -> PromotionRecord | None:
@@ -196,6 +224,10 @@ def _register(
         tags["previous_champion_version"] = record.previous_champion_version
     if record.dagster_run_id:
         tags["dagster_run_id"] = record.dagster_run_id
+    from pipeline.tracking import TRAINING_RUN_TAG, training_run_of
+
+    if training := training_run_of(client, record.run_id):
+        tags[TRAINING_RUN_TAG] = training
 
     experiment_id = get_or_create_experiment(client, settings, PROMOTION_EXPERIMENT)
     with mlflow.start_run(

@@ -7,6 +7,7 @@ exits with a code from :mod:`pipeline.trainer.exit_codes` (0: the final checkpoi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -15,10 +16,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="training config (YAML)")
     parser.add_argument("--run-id", required=True, help="the run to train or resume")
     parser.add_argument("--store", required=True, help="checkpoint store; the run uses STORE/RUN")
-    parser.add_argument("--ledger-url", help="SQLAlchemy URL of the ledger (optional)")
+    parser.add_argument(
+        "--ledger-url",
+        help="SQLAlchemy URL of the ledger (optional). Default: $TRACKS_LEDGER_URL; prefer the "
+        "variable when the URL holds a password, since argv is visible to every user in ps",
+    )
     parser.add_argument("--attempt-no", type=int, help="attempt begun by an orchestrator")
     parser.add_argument("--fencing-token", type=int, help="that attempt's fencing token")
     args = parser.parse_args(argv)
+    args.ledger_url = args.ledger_url or os.environ.get("TRACKS_LEDGER_URL") or None
     if args.ledger_url and (args.attempt_no is None) != (args.fencing_token is None):
         parser.error("--attempt-no and --fencing-token go together")
     return args
@@ -26,6 +32,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from pipeline import ids, safepath
+    from pipeline.checkpoint.layout import run_dir
+    from pipeline.trainer import exit_codes
+
+    # Checked before anything runs or is written: an id that would leave the store, alias
+    # another run or overflow a file name is bad input, never worth a retry.
+    try:
+        run_dir(args.store, args.run_id)
+        if args.attempt_no is not None:
+            ids.attempt_no(args.attempt_no)
+    except (ids.InvalidIdError, safepath.UnsafePathError) as exc:
+        print(f"python -m pipeline.trainer: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
     # Installed before torch is imported: a SIGTERM during start-up still ends in a clean save.
     from pipeline.trainer.train import StopRequest
 

@@ -19,6 +19,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline import ids
+from pipeline.checkpoint import layout
 from pipeline.checkpoint.layout import parse_checkpoint_dir_name, replace_atomically
 from pipeline.states import Purpose, TerminationReason
 
@@ -27,7 +29,9 @@ if TYPE_CHECKING:
     from pipeline.trainer.config import TrainConfig
     from pipeline.trainer.reporting import Reporter
 
-HEARTBEAT_SECONDS = 5.0
+# How often a running trainer tells the ledger it is alive (and the step it reached); drills
+# shorten it with TRACKS_HEARTBEAT_SECONDS so the receipt follows the steps closely.
+HEARTBEAT_SECONDS = float(os.environ.get("TRACKS_HEARTBEAT_SECONDS") or 5.0)
 _LAST_WORDS_RE = re.compile(r"^attempt-(\d+)\.last_words\.json$")
 
 
@@ -45,7 +49,7 @@ class Outcome:
 
 def last_words_path(store: str | Path, run_id: str, attempt_no: int) -> Path:
     """``<store>/<run_id>/attempt-<n>.last_words.json``: what the classifier reads."""
-    return Path(store) / run_id / f"attempt-{attempt_no}.last_words.json"
+    return layout.run_dir(store, run_id) / f"attempt-{ids.attempt_no(attempt_no)}.last_words.json"
 
 
 def next_standalone_attempt_no(run_dir: Path) -> int:
@@ -143,6 +147,56 @@ class AttemptHandle:
                 dagster_run_id=os.environ.get("DAGSTER_RUN_ID"),
                 code_commit=commit,
                 resumed_from_checkpoint=resumed_from,
+                # Self-owned: the trainer CLI was started by a person or a script, not by an
+                # orchestrator that opened the attempt for it.
+                launched_by={"via": "cli", "user": _owner(), "pid": os.getpid()},
+                admission={"rule": "trainer cli", "reason": "a standalone trainer owns its run"},
+            ),
+        )
+        self.attempt_no, self.fencing_token, self.begun = (
+            record.attempt_no,
+            record.fencing_token,
+            True,
+        )
+
+    def begin_unloadable(self, source: str, problem: str) -> None:
+        """Self-owned mode, config that did not load: still a first-class attempt row.
+
+        The run is created if missing (family ``unknown`` when the config never said), and the
+        attempt's config snapshot names the file and what was wrong with it.
+        """
+        if self.ledger is None or self.begun:
+            return
+        import hashlib
+
+        from sqlalchemy.exc import IntegrityError
+
+        from pipeline.environment import container_digest, placement
+        from pipeline.ledger import AttemptStart, UnknownRunError
+
+        try:
+            digest = hashlib.sha256(Path(source).read_bytes()).hexdigest()
+        except OSError:
+            digest = "0" * 64  # the file itself could not be read
+        try:
+            self.ledger.get_run(self.run_id)
+        except UnknownRunError:
+            with contextlib.suppress(IntegrityError):
+                self.ledger.create_run(
+                    run_id=self.run_id, model_family="unknown", owner=_owner(),
+                    purpose=Purpose.BASELINE, config_sha256=digest, snapshot_id="unknown",
+                )  # fmt: skip
+        record = self.ledger.begin_attempt(
+            self.run_id,
+            AttemptStart(
+                config_snapshot={"unloadable_config": source, "problem": problem},
+                config_sha256=digest,
+                data_manifest_sha256="unknown",
+                container_digest=container_digest(),
+                placement=placement(),
+                dagster_run_id=os.environ.get("DAGSTER_RUN_ID"),
+                launched_by={"via": "cli", "user": _owner(), "pid": os.getpid()},
+                admission={"rule": "trainer cli", "reason": "a standalone trainer owns its run"},
             ),
         )
         self.attempt_no, self.fencing_token, self.begun = (

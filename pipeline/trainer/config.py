@@ -8,10 +8,12 @@ every checkpoint carries; ``sha256()`` is its digest.
 
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Self
 
+from pipeline import ids
 from pipeline.digests import sha256_json
 
 OPTIMIZERS = ("adam", "sgd")
@@ -99,18 +101,14 @@ class TrainConfig:
     @classmethod
     def load(cls, path: str | Path) -> Self:
         """Read a YAML file; relative ``snapshot_dir`` paths resolve against its folder."""
-        import yaml
+        from pipeline import yamlio
 
         path = Path(path)
         source = str(path)
         try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ConfigError(source, None, f"cannot be read ({exc.strerror or exc})") from exc
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(source, None, f"is not valid YAML ({exc})") from exc
+            raw = yamlio.load_file(path)  # a duplicate key is an error, never a silent win
+        except yamlio.YamlError as exc:
+            raise ConfigError(source, None, str(exc).removeprefix(f"{source}: ")) from exc
         return cls.from_dict(raw, source=source, base_dir=path.resolve().parent)
 
     @classmethod
@@ -146,10 +144,34 @@ class TrainConfig:
                 raise bad(key, f"must be >= 1, got {getattr(self, key)}")
         if self.keep_best_k < 0:
             raise bad("keep_best_k", f"must be >= 0, got {self.keep_best_k}")
+        # numpy and torch take seeds in [0, 2**32): anything else fails deep in set-up.
+        if not 0 <= self.seed < 2**32:
+            raise bad("seed", f"must be an integer in 0..{2**32 - 1}, got {self.seed}")
+        for key, value in (
+            ("learning_rate", self.learning_rate),
+            ("weight_decay", self.weight_decay),
+            ("momentum", self.momentum),
+            ("lr_schedule.min_lr", self.lr_schedule.min_lr),
+            ("lr_schedule.gamma", self.lr_schedule.gamma),
+            ("max_wall_seconds", self.max_wall_seconds),
+        ):
+            if value is not None and not math.isfinite(value):
+                raise bad(key, f"must be a finite number, got {value}")
         if not self.learning_rate > 0:
             raise bad("learning_rate", f"must be > 0, got {self.learning_rate}")
         if self.weight_decay < 0:
             raise bad("weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.momentum < 1:
+            raise bad("momentum", f"must be in [0, 1), got {self.momentum}")
+        if not 0 <= self.lr_schedule.min_lr <= self.learning_rate:
+            raise bad(
+                "lr_schedule.min_lr",
+                f"must be in 0..learning_rate ({self.learning_rate}), "
+                f"got {self.lr_schedule.min_lr}",
+            )
+        if not 0 < self.lr_schedule.gamma <= 1:
+            raise bad("lr_schedule.gamma", f"must be in (0, 1], got {self.lr_schedule.gamma}")
+        ids.model_family(self.model_family)
         if self.optimizer not in OPTIMIZERS:
             raise bad(
                 "optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"

@@ -40,16 +40,32 @@ class TrainingData:
         )
 
 
-def load_training_data(snapshot_dir: str | Path) -> TrainingData:
-    """Open the snapshot, verify its bytes against the manifest, and split it into tensors.
+def load_training_data(snapshot_dir: str | Path, *, ledger: Any = None) -> TrainingData:
+    """Open the snapshot, require its blocking checks' verdict, verify its bytes, split it.
 
-    Raises the data layer's errors (``SnapshotIntegrityError`` …) or :class:`BadInputError`.
+    Raises the data layer's errors (``BlockedSnapshotError``, ``SnapshotIntegrityError`` …) or
+    :class:`BadInputError`: the trainer never trains on a snapshot the gate did not pass, by
+    whatever path it was started.
     """
+    from pipeline.data.columns import PIXEL_COLUMNS, PIXEL_MAX, PIXEL_MIN
     from pipeline.data.dataset import split_tensors
+    from pipeline.data.gate import ensure_checks_passed
     from pipeline.data.snapshot import open_snapshot, read_snapshot_frame
 
     snapshot = open_snapshot(Path(snapshot_dir))
+    ensure_checks_passed(snapshot, snapshot_root=snapshot.path.parent, ledger=ledger)
     frame = read_snapshot_frame(snapshot)
+    # Checked again on the bytes actually read: the verdict vouches for the manifest, and the
+    # trainer's own guard costs one pass over 64 columns.
+    pixels = frame[list(PIXEL_COLUMNS)]
+    if (
+        pixels.isna().any().any()
+        or (pixels < PIXEL_MIN).any().any()
+        or (pixels > PIXEL_MAX).any().any()
+    ):
+        raise BadInputError(
+            snapshot_dir, f"pixel values fall outside {PIXEL_MIN}..{PIXEL_MAX} (or are null)"
+        )
     train_images, train_labels = split_tensors(frame, "train")
     eval_images, eval_labels = split_tensors(frame, "eval")
     for split, images, labels in (

@@ -27,8 +27,10 @@ from pipeline.checkpoint import (
     CheckpointManager,
     CheckpointMismatchError,
     TrainingState,
+    layout,
 )
 from pipeline.states import TerminationReason
+from pipeline.tracking import TrainingTracker
 from pipeline.trainer import exit_codes
 from pipeline.trainer.attempt import (
     AttemptHandle,
@@ -88,12 +90,13 @@ def run_training(
     started, cpu_started = time.monotonic(), time.process_time()
     reporter = reporter or make_reporter()
     stop = stop or StopRequest()
-    run_dir = Path(store).resolve() / run_id
+    # Refused before anything is written: an id that would leave the store is bad input.
+    run_dir = layout.run_dir(store, run_id)
     attempt: AttemptHandle | None = None
     trainer: Trainer | None = None
     loaded: TrainConfig | None = None
     try:
-        loaded = config if isinstance(config, TrainConfig) else TrainConfig.load(config)
+        # The ledger first: a config that does not load still leaves its attempt row.
         ledger = _open_ledger(ledger_url, orchestrated=attempt_no is not None)
         attempt = AttemptHandle(
             run_id=run_id,
@@ -103,6 +106,7 @@ def run_training(
             fencing_token=fencing_token,
             reporter=reporter,
         )
+        loaded = config if isinstance(config, TrainConfig) else TrainConfig.load(config)
         trainer = Trainer(loaded, attempt, reporter, stop, started=started)
         outcome = trainer.run()
     except Exception as exc:
@@ -112,7 +116,14 @@ def run_training(
             {"reason": str(outcome.reason), "traceback": traceback.format_exc(limit=20)},
             level="error",
         )
-    wall = time.monotonic() - started
+    ended = time.monotonic()
+    wall = ended - started
+    # What each clock measured, so "ran 15 s" on the receipt and this process's 11.7 s agree
+    # on what they are: the receipt counts from the orchestrator's begin to its end.
+    timings = {"trainer_process_seconds": round(wall, 3)}
+    if trainer is not None and trainer.loop_started is not None:
+        timings["setup_seconds"] = round(trainer.loop_started - started, 3)
+        timings["training_seconds"] = round(ended - trainer.loop_started, 3)
     number = _leave_receipt(
         outcome,
         config=loaded,
@@ -122,6 +133,7 @@ def run_training(
         store=Path(store),
         run_id=run_id,
         attempt_no=attempt_no,
+        config_source=None if isinstance(config, TrainConfig) else str(config),
         cpu_seconds=time.process_time() - cpu_started,
         gpu_seconds=wall * torch.cuda.device_count() if trainer and trainer.on_gpu else 0.0,
     )
@@ -136,9 +148,15 @@ def run_training(
             "step": outcome.step,
             "last_checkpoint": trainer.last_checkpoint_path if trainer else None,
             "wall_seconds": round(wall, 3),
+            "timings": timings,
         },
         level="info" if outcome.exit_code == exit_codes.SUCCEEDED else "warning",
     )
+    if attempt is not None and attempt.ledger is not None and attempt.attempt_no is not None:
+        try:
+            attempt.ledger.set_timings(run_id, attempt.attempt_no, timings)
+        except Exception as exc:  # a receipt detail; never worth failing the attempt over
+            reporter.event("ledger_unreachable", {"error": str(exc)[:500]}, level="warning")
     reporter.close()
     return outcome.exit_code
 
@@ -155,9 +173,16 @@ def _leave_receipt(
     attempt_no: int | None,
     cpu_seconds: float,
     gpu_seconds: float,
+    config_source: str | None = None,
 ) -> int:
     """End a self-owned attempt in the ledger and write last words; returns the attempt number."""
     data = trainer.data if trainer else None
+    if attempt is not None and config is None and config_source is not None:
+        try:
+            attempt.begin_unloadable(config_source, outcome.detail)
+            attempt.end(outcome, cpu_seconds=cpu_seconds, gpu_seconds=gpu_seconds)
+        except Exception as exc:
+            reporter.event("ledger_unreachable", {"error": str(exc)[:500]}, level="error")
     if attempt is not None and config is not None:
         try:
             if not attempt.begun and outcome.reason != TerminationReason.SUCCEEDED:
@@ -173,7 +198,7 @@ def _leave_receipt(
             reporter.event("ledger_unreachable", {"error": str(exc)[:500]}, level="error")
     number = (attempt.attempt_no if attempt else None) or attempt_no
     if number is None:
-        number = next_standalone_attempt_no(store.resolve() / run_id)
+        number = next_standalone_attempt_no(layout.run_dir(store, run_id))
     if outcome.reason != TerminationReason.SUCCEEDED:
         try:
             write_last_words(
@@ -205,11 +230,13 @@ class Trainer:
         self.reporter = reporter
         self.stop = stop
         self.started = started
+        self.loop_started: float | None = None  # when the first step began (set-up is over)
         self.step: int | None = None
         self.data: TrainingData | None = None
         self.on_gpu = config.device == "cuda"
         self.last_checkpoint: CheckpointInfo | None = None
         self._manager: CheckpointManager | None = None
+        self._tracker: TrainingTracker | None = None
 
     @property
     def last_checkpoint_path(self) -> str | None:
@@ -218,7 +245,9 @@ class Trainer:
     def run(self) -> Outcome:
         cfg = self.config
         device = _make_deterministic(cfg)
-        self.data = data = load_training_data(cfg.snapshot_dir).to(device)
+        self.data = data = load_training_data(cfg.snapshot_dir, ledger=self.attempt.ledger).to(
+            device
+        )
         state = self._build(data, device)
         manager = CheckpointManager(
             self.attempt.run_dir,
@@ -276,10 +305,40 @@ class Trainer:
             },
         )
         self.attempt.heartbeat(state.step, force=True)
+        self._tracker = self._start_tracking(state, data)
+        outcome: Outcome | None = None
         try:
-            return self._loop(state, manager, data)
+            outcome = self._loop(state, manager, data)
+            return outcome
         finally:
             self._settle(manager)
+            if self._tracker is not None:
+                reason = str(outcome.reason) if outcome else "failed"
+                self._tracker.finished(
+                    self.attempt.attempt_no or 0,
+                    reason,
+                    final=outcome is not None and outcome.reason == TerminationReason.SUCCEEDED,
+                )
+
+    def _start_tracking(self, state: TrainingState, data: TrainingData) -> TrainingTracker | None:
+        uri = os.environ.get("TRACKS_MLFLOW_URI")
+        if not uri:
+            return None  # a standalone trainer without MLflow: the ledger is the record
+        return TrainingTracker.start(
+            lambda message: self.reporter.event("tracking_off", {"detail": message}, "warning"),
+            tracking_uri=uri,
+            artifact_root=os.environ.get("TRACKS_MLFLOW_ARTIFACTS"),
+            run_id=self.attempt.run_id,
+            attempt_no=self.attempt.attempt_no or 0,
+            config=state.config,
+            run_dir=self.attempt.run_dir,
+            restored_step=state.step,
+            tags={
+                "restored_step": str(state.step),
+                "snapshot_id": data.snapshot_id,
+                "dagster_run_id": os.environ.get("DAGSTER_RUN_ID", ""),
+            },
+        )
 
     def _build(self, data: TrainingData, device: torch.device) -> TrainingState:
         cfg = self.config
@@ -308,6 +367,7 @@ class Trainer:
         first_step = state.step
         _fault_oom_above_batch(cfg.batch_size)
         window_start, window_steps = time.monotonic(), 0
+        self.loop_started = window_start
         while state.step < cfg.max_steps:
             loss = train_step(state, data)
             state.step += 1
@@ -319,6 +379,9 @@ class Trainer:
                 return self._diverged(loss, state.step)
             if state.step % cfg.log_every_steps == 0 or state.step == cfg.max_steps:
                 now = time.monotonic()
+                window_rate = round(
+                    window_steps * cfg.batch_size / max(now - window_start, 1e-9), 1
+                )
                 self.reporter.step(
                     {
                         "run_id": self.attempt.run_id,
@@ -327,12 +390,19 @@ class Trainer:
                         "loss": loss,
                         "lr": state.optimizer.param_groups[0]["lr"],
                         "epoch": state.data_cursor.epoch,  # type: ignore[attr-defined]
-                        "examples_per_second": round(
-                            window_steps * cfg.batch_size / max(now - window_start, 1e-9), 1
-                        ),
+                        "examples_per_second": window_rate,
                     }
                 )
                 window_start, window_steps = now, 0
+                if self._tracker is not None:
+                    self._tracker.step(
+                        state.step,
+                        {
+                            "loss": loss,
+                            "lr": state.optimizer.param_groups[0]["lr"],
+                            "examples_per_second": window_rate,
+                        },
+                    )
             self.attempt.heartbeat(state.step)
             _fault_sleep_after_step(state.step, self.stop)
             timed_out = (
@@ -403,6 +473,8 @@ class Trainer:
             # What this (async) save cost the training loop: capture + wait in optimizer.step.
             fields["stall_seconds"] = round(stall.total, 4)
         self.reporter.checkpoint_committed(fields)
+        if self._tracker is not None:
+            self._tracker.committed(info.step, info.metrics)
         self.attempt.heartbeat(self.step or info.step, force=True)
 
     def _settle(self, manager: CheckpointManager) -> None:

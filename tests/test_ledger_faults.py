@@ -1,0 +1,107 @@
+"""The ledger under faults: which errors are retried, and a retried write never happens twice."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from pipeline.ledger import AttemptStart, Ledger
+from pipeline.ledger.ledger import is_retryable
+from pipeline.states import TerminationReason
+
+
+class _PgError(Exception):
+    def __init__(self, message: str, pgcode: str | None) -> None:
+        super().__init__(message)
+        self.pgcode = pgcode
+
+
+def _db_error(message: str, pgcode: str | None = None, cls: type = sa.exc.OperationalError) -> Any:
+    return cls("UPDATE …", {}, _PgError(message, pgcode))
+
+
+@pytest.mark.parametrize(
+    ("error", "retried"),
+    [
+        (_db_error("terminating connection due to administrator command", "57P01"), True),
+        (_db_error("FATAL: the database system is shutting down", None), True),
+        (_db_error("FATAL: the database system is starting up", "57P03"), True),
+        (_db_error("could not serialize access", "40001"), True),
+        (_db_error("deadlock detected", "40P01"), True),
+        (_db_error("sorry, too many clients already", "53300"), True),
+        (_db_error("connection to server was lost", "08006"), True),
+        (_db_error("database is locked"), True),
+        (_db_error("duplicate key value", "23505", sa.exc.IntegrityError), False),
+        (_db_error("syntax error", "42601", sa.exc.ProgrammingError), False),
+        (ValueError("not a database error"), False),
+    ],
+)
+def test_which_errors_are_transient(error: Exception, retried: bool) -> None:
+    assert is_retryable(error) is retried
+
+
+class _LosesTheFirstCommitAnswer:
+    """The server commits, then the connection drops before the client hears so."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._engine = engine
+        self.lost = 0
+
+    @contextmanager
+    def begin(self) -> Iterator[sa.Connection]:
+        with self._engine.begin() as conn:
+            yield conn
+        if not self.lost:
+            self.lost += 1
+            raise sa.exc.OperationalError(
+                "COMMIT", {}, _PgError("server closed the connection unexpectedly", None),
+                connection_invalidated=True,
+            )  # fmt: skip
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def test_a_begin_attempt_whose_commit_answer_was_lost_is_not_repeated(
+    ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger = Ledger.open(ledger_url)
+    ledger.create_run(
+        run_id="r1", model_family="digits-cnn", owner="t", purpose="baseline",
+        config_sha256="c" * 64, snapshot_id="digits-0123456789abcdef",
+    )  # fmt: skip
+    flaky = _LosesTheFirstCommitAnswer(ledger.engine)
+    monkeypatch.setattr(ledger, "engine", flaky)
+    record = ledger.begin_attempt(
+        "r1",
+        AttemptStart(config_snapshot={}, config_sha256="c" * 64, data_manifest_sha256="d" * 64,
+                     container_digest="env"),
+    )  # fmt: skip
+    assert flaky.lost == 1  # the first answer really was lost, and the call was retried
+    assert [a.attempt_no for a in ledger.attempts("r1")] == [1] == [record.attempt_no]
+    assert ledger.get_run("r1").fencing_token == 1  # bumped once, not twice
+
+
+def test_last_step_is_the_step_reached_and_never_goes_down(tmp_path: Path) -> None:
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    ledger.create_run(
+        run_id="r1", model_family="digits-cnn", owner="t", purpose="baseline",
+        config_sha256="c" * 64, snapshot_id="digits-0123456789abcdef",
+    )  # fmt: skip
+    ledger.begin_attempt(
+        "r1",
+        AttemptStart(config_snapshot={}, config_sha256="c" * 64, data_manifest_sha256="d" * 64,
+                     container_digest="env"),
+    )  # fmt: skip
+    ledger.heartbeat("r1", 1, step=140)
+    ledger.heartbeat("r1", 1, step=120)  # a late, older heartbeat
+    ended = ledger.end_attempt(
+        "r1", 1, termination_reason=TerminationReason.PREEMPTED, termination_detail="SIGKILL",
+        last_step=100,  # the last commit
+    )  # fmt: skip
+    assert ended.last_step == 140
