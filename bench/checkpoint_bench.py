@@ -51,10 +51,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from checkpoint_peers import Loop, Peer, PeerFigures, all_peers  # bench/ is on sys.path
 
 from pipeline.checkpoint import (
     CheckpointConfig,
@@ -123,13 +126,7 @@ def state_bytes(state: TrainingState) -> int:
 
 def drop_cache(directory: Path) -> None:
     """Evict the files' pages from the page cache (they are clean: written and fsynced)."""
-    for path in directory.iterdir():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    drop_cache_files(directory)
 
 
 def raw_write(directory: Path, files: dict[str, list[memoryview]]) -> int:
@@ -354,6 +351,9 @@ def run(args: argparse.Namespace, root: Path) -> int:
     say(f"(c) restore {_fmt(ours_c, 1e-9, 'GB/s')}; raw read {_fmt(raw_c, 1e-9, 'GB/s')}")
     fresh_dirs()
 
+    # (e) the peers and Tracks' own save/resume on the same state, in a rotated order.
+    peer_rows = peers_side_by_side(args, root, state, manager, inputs, targets, say)
+
     # (d) training throughput with and without saving, windows interleaved ABBA.
     window = 2 * args.save_every
     plain, saving = [], []
@@ -426,8 +426,136 @@ def run(args: argparse.Namespace, root: Path) -> int:
           f"every {args.save_every / med(plain):.1f} s")  # fmt: skip
     print(f"(c) warm page cache, for comparison: restore {warm_ours / 1e9:.2f} GB/s, "
           f"raw read {warm_raw / 1e9:.2f} GB/s, ratio {warm_ours / warm_raw:.3f}")  # fmt: skip
-    print(f"sha256 on one core: {sha256_speed() / 1e9:.2f} GB/s")
+    print(f"sha256 on one core: {sha256_speed() / 1e9:.2f} GB/s; "
+          f"blake3 on one core: {blake3_speed() / 1e9:.2f} GB/s")  # fmt: skip
+    print()
+    print_peers(peer_rows, size=size, raw_write=med(raw_b), raw_read=med(raw_c))
     return 0
+
+
+def peers_side_by_side(
+    args: argparse.Namespace,
+    root: Path,
+    state: TrainingState,
+    manager: CheckpointManager,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    say: Callable[[str], None],
+) -> list[PeerFigures]:
+    """Each peer and Tracks save (durable) and restore cold into the live state, per repeat."""
+
+    def forward_backward() -> None:
+        state.optimizer.zero_grad(set_to_none=True)
+        F.mse_loss(state.model(inputs), targets).backward()
+
+    def optimizer_step() -> None:
+        state.optimizer.step()
+        state.step += 1
+        state.data_cursor.position += 1  # type: ignore[attr-defined]
+
+    loop = Loop(forward_backward, optimizer_step)
+    tracks_sync = PeerFigures("Tracks save / resume (verify every byte, restore, probe)")
+    tracks_async = PeerFigures("Tracks save_async")
+
+    def tracks_round() -> None:
+        settle()
+        began = time.perf_counter()
+        info = manager.save(state)
+        tracks_sync.save.append(time.perf_counter() - began)
+        tracks_sync.stall.append(tracks_sync.save[-1])
+        drop_cache(info.path)
+        settle()
+        reader = CheckpointManager(root / "run", CheckpointConfig(keep_last_k=100), run_id="bench")
+        reader.bind_attempt(2, None)
+        began = time.perf_counter()
+        assert reader.resume(state) is not None
+        tracks_sync.restore.append(time.perf_counter() - began)
+        shutil.rmtree(info.path)
+        settle()
+        began = time.perf_counter()
+        manager.save_async(state)
+        loop.forward_backward()
+        loop.optimizer_step()  # waits in optimizer.step() until the copy is done
+        manager.wait()
+        tracks_async.save.append(time.perf_counter() - began)
+        assert manager.last_stall is not None
+        tracks_async.stall.append(manager.last_stall.total)
+        for directory in list((root / "run").glob("step-*")):
+            shutil.rmtree(directory)
+
+    peers = all_peers()
+    figures = {peer.name: PeerFigures(peer.name) for peer in peers}
+
+    def peer_round(peer: Peer) -> Callable[[], None]:
+        def run_peer() -> None:
+            target = root / "peer"
+            settle()
+            stall, total = peer.save(state.model, state.optimizer, target, loop)
+            figures[peer.name].stall.append(stall)
+            figures[peer.name].save.append(total)
+            drop_cache_tree(target)
+            settle()
+            began = time.perf_counter()
+            peer.restore(state.model, state.optimizer, target)
+            figures[peer.name].restore.append(time.perf_counter() - began)
+            shutil.rmtree(target)
+
+        return run_peer
+
+    sides = [tracks_round, *(peer_round(peer) for peer in peers)]
+    for index in range(args.repeats):
+        shift = index % len(sides)
+        for side in sides[shift:] + sides[:shift]:
+            side()
+    for figure in (tracks_sync, tracks_async, *figures.values()):
+        say(f"(e) {figure.name}: save {_fmt(figure.save)}; stall {_fmt(figure.stall)}"
+            + (f"; restore {_fmt(figure.restore)}" if figure.restore else ""))  # fmt: skip
+    return [tracks_sync, tracks_async, *figures.values()]
+
+
+def drop_cache_tree(directory: Path) -> None:
+    for folder in [directory, *(p for p in directory.rglob("*") if p.is_dir())]:
+        drop_cache_files(folder)
+
+
+def drop_cache_files(directory: Path) -> None:
+    for path in directory.iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def print_peers(rows: list[PeerFigures], *, size: int, raw_write: float, raw_read: float) -> None:
+    """Seconds (median) and the share of the raw floor: size ÷ raw speed ÷ the time taken."""
+    med = statistics.median
+    write_floor, read_floor = size / raw_write, size / raw_read
+    print(f"side by side, {size / 1e9:.3f} GB, median of {len(rows[0].save)} "
+          f"(floors: write+fsync {write_floor:.3f} s, cold read {read_floor:.3f} s)")  # fmt: skip
+    header = ("", "save s", "share of floor", "stall s", "restore s", "share of floor")
+    table = [header]
+    for row in rows:
+        save, stall = med(row.save), med(row.stall)
+        restore = med(row.restore) if row.restore else None
+        table.append((
+            row.name, f"{save:.3f}", f"{write_floor / save:.2f}", f"{stall:.3f}",
+            f"{restore:.3f}" if restore else "-",
+            f"{read_floor / restore:.2f}" if restore else "-",
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    print("peers do not verify what they read; Tracks' resume verifies every byte (BLAKE3),")
+    print("restores into the live model and optimizer and re-runs the probe batch.")
+
+
+def blake3_speed() -> float:
+    data = memoryview(bytearray(256 * 1024 * 1024))
+    seconds, _ = timed(lambda: blake3.blake3(data).digest())
+    return len(data) / seconds
 
 
 def sha256_speed() -> float:

@@ -4,10 +4,49 @@ from __future__ import annotations
 
 import hashlib
 import json
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import blake3
 
 _CHUNK = 4 * 1024 * 1024
+
+
+class DigestAlgorithm(StrEnum):
+    """How a checkpoint file's digest was computed; the manifest names it beside the digest."""
+
+    SHA256 = "sha256"  # checkpoints written before BLAKE3 (read, never written any more)
+    BLAKE3 = "blake3"  # a tree hash: several cores can hash one file, faster than the disk
+
+
+# What new checkpoint manifests record. SHA-256 stays for everything else that is named by
+# content (snapshots, configs, manifests): small, and their ids must not change.
+FILE_DIGEST = DigestAlgorithm.BLAKE3
+
+
+class Hasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def new_hasher(algorithm: DigestAlgorithm, *, threads: int = 1) -> Hasher:
+    """A streaming hasher; both release the GIL on large updates, so threads overlap.
+
+    ``threads`` > 1 lets BLAKE3 hash one large update on several cores (SHA-256 cannot).
+    """
+    if algorithm is DigestAlgorithm.BLAKE3:
+        return blake3.blake3(max_threads=max(1, threads))
+    return hashlib.sha256()
+
+
+def file_digest(path: str | Path, algorithm: DigestAlgorithm) -> str:
+    digest = new_hasher(algorithm)
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -15,11 +54,7 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return file_digest(path, DigestAlgorithm.SHA256)
 
 
 def canonical_json(value: Any) -> bytes:
@@ -29,3 +64,26 @@ def canonical_json(value: Any) -> bytes:
 
 def sha256_json(value: Any) -> str:
     return sha256_bytes(canonical_json(value))
+
+
+def recorded_digest(entry: dict[str, Any]) -> tuple[DigestAlgorithm, str]:
+    """The (algorithm, hex digest) a manifest entry records for a file.
+
+    Entries name their algorithm (``{"algorithm": "blake3", "digest": ...}``); entries written
+    before that carry only ``"sha256"``. Raises ValueError for anything else.
+    """
+    if "digest" in entry or "algorithm" in entry:
+        try:
+            algorithm = DigestAlgorithm(entry.get("algorithm"))
+        except ValueError:
+            raise ValueError(f"unknown digest algorithm {entry.get('algorithm')!r}") from None
+        digest = entry.get("digest")
+    else:
+        algorithm, digest = DigestAlgorithm.SHA256, entry.get("sha256")
+    if not (isinstance(digest, str) and len(digest) == 64 and _is_hex(digest)):
+        raise ValueError(f"no valid {algorithm} digest (got {digest!r})")
+    return algorithm, digest
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)

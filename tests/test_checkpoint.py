@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -28,6 +30,7 @@ from pipeline.checkpoint import (
     refuse_pickle,
     verify_checkpoint,
 )
+from pipeline.checkpoint import manager as manager_module
 from pipeline.checkpoint import writer as checkpoint_writer
 from pipeline.checkpoint.codec import StateEncodingError, decode_state, encode_state
 from pipeline.digests import sha256_bytes
@@ -375,7 +378,7 @@ def test_probe_mismatch_after_restore_is_corrupt_and_previous_is_used(tmp_path: 
     manifest = json.loads((newest / MANIFEST_FILE).read_text())
     for entry in manifest["files"]:
         if entry["name"] == PROBE_FILE:
-            entry.update(size=len(raw), sha256=sha256_bytes(raw))
+            entry.update(size=len(raw), digest=blake3.blake3(raw).hexdigest())
     manifest_raw = json.dumps(manifest).encode()
     (newest / MANIFEST_FILE).write_bytes(manifest_raw)
     committed = json.loads((newest / COMMITTED_FILE).read_text())
@@ -485,3 +488,77 @@ def test_retention_never_deletes_the_newest_committed(tmp_path: Path) -> None:
     paths = _save_at(manager, state, data, [10, 20, 30], {10: 0.1, 20: 0.5, 30: 0.9})
     assert [p.name for p in checkpoint_dirs(manager.run_dir)] == [paths[2].name, paths[0].name]
     assert not paths[1].exists()
+
+
+# -- digests --------------------------------------------------------------------------------------
+
+# Written by the code before BLAKE3 (manifest entries carry only "sha256"): _steps(_state(), 9).
+LEGACY_SHA256_CHECKPOINT = Path(__file__).parent / "fixtures" / "checkpoint-sha256"
+
+
+def test_new_manifests_name_blake3_beside_each_digest(tmp_path: Path) -> None:
+    data = _data()
+    state = _state(data)
+    _steps(state, data, 2)
+    path = _manager(tmp_path).save(state).path
+    entries = json.loads((path / MANIFEST_FILE).read_text())["files"]
+    assert {e["algorithm"] for e in entries} == {"blake3"}
+    for entry in entries:
+        assert entry["digest"] == blake3.blake3((path / entry["name"]).read_bytes()).hexdigest()
+
+
+def test_a_sha256_checkpoint_from_before_blake3_restores_bit_exact(tmp_path: Path) -> None:
+    store = tmp_path / "store" / RUN_ID
+    shutil.copytree(LEGACY_SHA256_CHECKPOINT, store)
+    (legacy,) = store.iterdir()
+    entries = json.loads((legacy / MANIFEST_FILE).read_text())["files"]
+    assert all("sha256" in e and "algorithm" not in e for e in entries)
+    data = _data()
+    original = _state(data)
+    _steps(original, data, 9)
+    expected = _steps(original, data, 8)
+
+    resumed = _state(data, seed=99)
+    info = _manager(tmp_path, attempt=2).resume(resumed)
+    assert info is not None and info.step == 9 and info.path == legacy
+    assert _steps(resumed, data, 8) == expected
+    # A changed byte is still caught by the digest the old manifest recorded.
+    _flip_byte(legacy)
+    with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors.*sha256 is"):
+        verify_checkpoint(legacy)
+
+
+def test_a_manifest_naming_an_unknown_digest_algorithm_is_corrupt(tmp_path: Path) -> None:
+    data = _data()
+    state = _state(data)
+    _steps(state, data, 2)
+    path = _manager(tmp_path).save(state).path
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    manifest["files"][0]["algorithm"] = "md5"
+    raw = json.dumps(manifest).encode()
+    (path / MANIFEST_FILE).write_bytes(raw)
+    committed = json.loads((path / COMMITTED_FILE).read_text())
+    committed["manifest_sha256"] = sha256_bytes(raw)
+    (path / COMMITTED_FILE).write_text(json.dumps(committed))
+    with pytest.raises(CorruptCheckpointError, match="unknown digest algorithm 'md5'") as caught:
+        verify_checkpoint(path)
+    assert caught.value.file == MANIFEST_FILE
+
+
+def test_resume_keeps_no_copy_of_the_live_state_when_the_weights_pass_their_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = _data()
+    original = _state(data)
+    _steps(original, data, 9)
+    _manager(tmp_path).save(original, metrics={"eval_loss": 1.0})
+    expected = _steps(original, data, 4)
+
+    def no_copy(*args: object, **kwargs: object) -> None:
+        raise AssertionError("resume copied the live state although the probe already matched")
+
+    monkeypatch.setattr(manager_module, "stage_checkpoint", no_copy)
+    resumed = _state(data, seed=99)
+    info = _manager(tmp_path, attempt=2).resume(resumed)
+    assert info is not None and info.step == 9
+    assert _steps(resumed, data, 4) == expected

@@ -254,11 +254,11 @@ def test_tensor_file_whose_header_lies_is_a_corrupt_checkpoint(tmp_path: Path) -
     body += b" " * (-len(body) % 8)
     model.write_bytes(len(body).to_bytes(8, "little") + body + raw[8 + header_len :])
     manifest = json.loads((path / MANIFEST_FILE).read_text())
-    from pipeline.digests import sha256_bytes, sha256_file
+    from pipeline.digests import FILE_DIGEST, file_digest, sha256_bytes
 
     for entry in manifest["files"]:
         if entry["name"] == MODEL_FILE:
-            entry.update(size=model.stat().st_size, sha256=sha256_file(model))
+            entry.update(size=model.stat().st_size, digest=file_digest(model, FILE_DIGEST))
     manifest_raw = json.dumps(manifest).encode()
     (path / MANIFEST_FILE).write_bytes(manifest_raw)
     committed = json.loads((path / COMMITTED_FILE).read_text())

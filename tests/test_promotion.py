@@ -339,7 +339,10 @@ def test_tampered_weights_or_planted_code_are_refused_and_never_run(
     blob[-1] ^= 1
     os.chmod(weights, 0o644)
     weights.write_bytes(bytes(blob))
-    with pytest.raises(ChampionVerificationError, match=r"model\.safetensors has sha256 .* but"):
+    with pytest.raises(
+        ChampionVerificationError,
+        match=r"model\.safetensors has (blake3|sha256) [0-9a-f]{64} .* but",
+    ):
         load_champion(world.settings, ledger, model_name)
     assert not marker.exists()
 

@@ -305,7 +305,7 @@ def test_corrupt_newest_checkpoint_is_marked_in_ledger_and_resume_uses_previous(
     ledger = Ledger(url)
     record = ledger.get_checkpoint(str(newest))
     assert record.state == CheckpointState.CORRUPT
-    assert MODEL_FILE in (record.state_detail or "") and "sha256" in (record.state_detail or "")
+    assert MODEL_FILE in (record.state_detail or "") and "blake3" in (record.state_detail or "")
     one, two = ledger.attempts("corrupt")
     assert one.termination_reason == two.termination_reason == TerminationReason.SUCCEEDED
     assert two.resumed_from_checkpoint == str(store.resolve() / "corrupt" / "step-0000000050-a01")

@@ -9,6 +9,7 @@ from pipeline.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CorruptCheckpointError,
+    RestoreDivergedError,
     UnsafeCheckpointError,
 )
 from pipeline.checkpoint.layout import (
@@ -59,6 +60,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CorruptCheckpointError",
     "RNGState",
+    "RestoreDivergedError",
     "StagedCheckpoint",
     "Stateful",
     "TrainingState",

@@ -44,3 +44,19 @@ class CheckpointMismatchError(CheckpointError):
         self.field = field
         self.saved = saved
         self.current = current
+
+
+class RestoreDivergedError(CheckpointError):
+    """The live state was overwritten by a checkpoint that then failed its post-restore probe.
+
+    Only possible when the same weights passed the probe outside the model just before (so no
+    copy of the prior state was kept): the state is neither the checkpoint's nor the original,
+    and the attempt must stop rather than train on it.
+    """
+
+    def __init__(self, directory: str | Path, detail: str) -> None:
+        super().__init__(
+            f"checkpoint {directory}: restored state failed its probe after the weights alone "
+            f"passed it ({detail}); the live state is unusable, stopping this attempt"
+        )
+        self.directory = str(directory)

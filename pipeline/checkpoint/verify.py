@@ -8,7 +8,6 @@ arrives: verification costs no second read, and the bytes parsed are the bytes h
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import queue
@@ -33,13 +32,26 @@ from pipeline.checkpoint.layout import (
     parse_checkpoint_dir_name,
 )
 from pipeline.checkpoint.tensorfile import TensorFileError, parse_safetensors
-from pipeline.digests import sha256_bytes, sha256_file
+from pipeline.digests import DigestAlgorithm, file_digest, new_hasher, recorded_digest, sha256_bytes
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
 _PICKLE_PROTOCOLS = (2, 3, 4, 5)
 _ZIP_MAGIC = b"PK\x03\x04"
 _READ_SLICE = 32 * 1024 * 1024
 _HASH_IN_THREAD_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ListedFile:
+    """One file as MANIFEST.json lists it: its size and its digest, with the algorithm."""
+
+    name: str
+    size: int
+    algorithm: DigestAlgorithm
+    digest: str
+
+    def mismatch(self, actual: str) -> str:
+        return f"{self.algorithm} is {actual}, MANIFEST.json says {self.digest}"
 
 
 @dataclass(frozen=True)
@@ -160,22 +172,20 @@ def _read_json(directory: Path, name: str) -> tuple[dict[str, Any], bytes]:
 
 
 def verify_checkpoint(directory: str | Path) -> CheckpointInfo:
-    """Check COMMITTED → MANIFEST.json → every file's size and sha256, and nothing extra.
+    """Check COMMITTED → MANIFEST.json → every file's size and digest, and nothing extra.
 
     Raises :class:`CorruptCheckpointError` naming the directory, the file and what differs,
     or :class:`UnsafeCheckpointError` when a pickle is present.
     """
     info, listed = _verify_layout(directory)
     for name, entry in listed.items():
-        digest = sha256_file(info.path / name)
-        if digest != entry["sha256"]:
-            raise CorruptCheckpointError(
-                info.path, name, f"sha256 is {digest}, MANIFEST.json says {entry['sha256']}"
-            )
+        digest = file_digest(info.path / name, entry.algorithm)
+        if digest != entry.digest:
+            raise CorruptCheckpointError(info.path, name, entry.mismatch(digest))
     return info
 
 
-def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, dict[str, Any]]]:
+def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, ListedFile]]:
     """Everything :func:`verify_checkpoint` checks but the files' hashes (sizes included)."""
     directory = Path(directory)
     if not directory.is_dir():
@@ -213,7 +223,7 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, dic
             f"says step {committed['step']} of attempt {committed['attempt_no']}, "
             f"but the directory is named for step {named[0]} of attempt {named[1]}",
         )
-    listed: dict[str, dict[str, Any]] = {}
+    listed: dict[str, ListedFile] = {}
     entries = manifest.get("files")
     if not isinstance(entries, list):
         raise CorruptCheckpointError(directory, MANIFEST_FILE, "'files' is not a list")
@@ -222,10 +232,15 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, dic
             isinstance(entry, dict)
             and isinstance(entry.get("name"), str)
             and isinstance(entry.get("size"), int)
-            and isinstance(entry.get("sha256"), str)
         ):
             raise CorruptCheckpointError(directory, MANIFEST_FILE, f"malformed entry {entry!r}")
-        listed[entry["name"]] = entry
+        try:
+            algorithm, digest = recorded_digest(entry)
+        except ValueError as exc:
+            raise CorruptCheckpointError(
+                directory, MANIFEST_FILE, f"entry {entry['name']!r}: {exc}"
+            ) from exc
+        listed[entry["name"]] = ListedFile(entry["name"], entry["size"], algorithm, digest)
     for required in (MODEL_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, PROBE_FILE):
         if required not in listed:
             raise CorruptCheckpointError(directory, MANIFEST_FILE, f"does not list {required}")
@@ -237,9 +252,9 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, dic
         if not path.is_file():
             raise CorruptCheckpointError(directory, name, "listed in MANIFEST.json but missing")
         size = path.stat().st_size
-        if size != entry["size"]:
+        if size != entry.size:
             raise CorruptCheckpointError(
-                directory, name, f"size is {size} bytes, MANIFEST.json says {entry['size']}"
+                directory, name, f"size is {size} bytes, MANIFEST.json says {entry.size}"
             )
         size_bytes += size
     expected = set(listed) | {MANIFEST_FILE, COMMITTED_FILE}
@@ -265,31 +280,22 @@ def load_checkpoint(directory: str | Path) -> CheckpointContents:
     """Verify, then read every file (safetensors and JSON, never pickle).
 
     Each data file is read once into memory and hashed as it arrives, two files at a time;
-    only bytes whose sha256 matches MANIFEST.json are parsed, so a file changed at any moment
+    only bytes whose digest matches MANIFEST.json are parsed, so a file changed at any moment
     is caught. The tensors returned are views into those buffers (no copy).
     """
     info, listed = _verify_layout(directory)
-    # Two files are read and hashed side by side, largest first: one sha256 runs on one core,
-    # and on a fast disk hashing, not reading, is what bounds a restore.
+    # Two files are read and hashed side by side, largest first, so the disk always has a
+    # read queued while a finished slice is hashed (a legacy SHA-256 hash runs on one core).
     wanted = sorted(
         (n for n in listed if n in (TRAINER_STATE_FILE, MODEL_FILE, OPTIMIZER_FILE, PROBE_FILE)),
-        key=lambda name: -int(listed[name]["size"]),
+        key=lambda name: -listed[name].size,
     )
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-read") as pool:
-        futures = {
-            name: pool.submit(
-                read_verified,
-                info.path,
-                name,
-                listed[name]["size"],
-                listed[name]["sha256"],
-            )
-            for name in wanted
-        }
+        futures = {name: pool.submit(read_verified, info.path, listed[name]) for name in wanted}
         buffers = {name: future.result() for name, future in futures.items()}
     for name, entry in listed.items():
-        if name not in buffers and sha256_file(info.path / name) != entry["sha256"]:
-            raise CorruptCheckpointError(info.path, name, "sha256 differs from MANIFEST.json")
+        if name not in buffers and file_digest(info.path / name, entry.algorithm) != entry.digest:
+            raise CorruptCheckpointError(info.path, name, f"{entry.algorithm} differs")
     name = TRAINER_STATE_FILE
     try:
         trainer_state = json.loads(buffers[name].numpy().tobytes())
@@ -314,16 +320,17 @@ def load_checkpoint(directory: str | Path) -> CheckpointContents:
     )
 
 
-def read_verified(directory: Path, name: str, size: int, sha256: str) -> torch.Tensor:
-    """The bytes of ``directory/name`` as a uint8 tensor, after checking size and sha256.
+def read_verified(directory: Path, listed: ListedFile) -> torch.Tensor:
+    """The bytes of ``directory/listed.name`` as a uint8 tensor, after checking size and digest.
 
     One read: large files are hashed on a second thread, slice by slice, right behind the
     read, so hashing overlaps the disk instead of following it.
     """
+    name, size = listed.name, listed.size
     path = directory / name
     buffer = torch.empty(size, dtype=torch.uint8)
     view = memoryview(buffer.numpy()) if size else memoryview(bytearray())
-    digest = hashlib.sha256()
+    digest = new_hasher(listed.algorithm)
     pending: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
     hasher = None
     if size >= _HASH_IN_THREAD_BYTES:
@@ -361,8 +368,6 @@ def read_verified(directory: Path, name: str, size: int, sha256: str) -> torch.T
         raise CorruptCheckpointError(
             directory, name, f"changed while being read (MANIFEST.json says {size} bytes)"
         )
-    if digest.hexdigest() != sha256:
-        raise CorruptCheckpointError(
-            directory, name, f"sha256 is {digest.hexdigest()}, MANIFEST.json says {sha256}"
-        )
+    if (actual := digest.hexdigest()) != listed.digest:
+        raise CorruptCheckpointError(directory, name, listed.mismatch(actual))
     return buffer

@@ -8,7 +8,6 @@ write. A storage error names the file, keeps its errno, and leaves the directory
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import threading
@@ -33,7 +32,7 @@ from pipeline.checkpoint.layout import (
 )
 from pipeline.checkpoint.state import StagedCheckpoint
 from pipeline.checkpoint.tensorfile import safetensors_chunks
-from pipeline.digests import sha256_bytes
+from pipeline.digests import FILE_DIGEST, new_hasher, sha256_bytes
 
 # Test hooks, both "N" or "seconds@N" (N: the checkpoint's step), acting halfway through
 # optimizer.safetensors, so the directory holds a complete file and a half-written one.
@@ -81,7 +80,7 @@ def write_checkpoint_files(
     attempt_no: int,
     hash_workers: int = 1,
 ) -> WrittenCheckpoint:
-    """Write and fsync every file, then MANIFEST.json (name, size, sha256 of each file).
+    """Write and fsync every file, then MANIFEST.json (name, size, digest of each file).
 
     ``hash_workers`` threads hash the large files while this thread writes them. An OSError
     is re-raised naming the file it happened to, with its errno (ENOSPC stays ENOSPC).
@@ -103,7 +102,7 @@ def write_checkpoint_files(
     finally:
         computed = digests.join()  # never leave a thread reading buffers the caller will reuse
     for entry in files:
-        entry["sha256"] = computed[entry["name"]]
+        entry.update(algorithm=FILE_DIGEST.value, digest=computed[entry["name"]])
     manifest = {
         "format": FORMAT,
         "run_id": run_id,
@@ -191,7 +190,11 @@ def _write_chunks_durably(
 
 
 class _Hashers:
-    """sha256 of each file's buffers, the large ones on ``workers`` background threads."""
+    """The digest of each file's buffers, the large ones on ``workers`` background threads.
+
+    The buffers are the staged tensors themselves: hashing reads the memory the write reads,
+    never a second copy and never the disk.
+    """
 
     def __init__(self, contents: dict[str, list[memoryview]], workers: int) -> None:
         self._digests: dict[str, str] = {}
@@ -200,7 +203,7 @@ class _Hashers:
         for name, chunks in contents.items():
             size = sum(len(c) for c in chunks)
             if size < _HASH_IN_THREAD_BYTES or workers < 1:
-                self._digests[name] = _sha256(chunks)
+                self._digests[name] = _digest(chunks)
             else:
                 large.append((size, name))
         # Largest first onto the least loaded worker: two workers split model and optimizer.
@@ -223,7 +226,7 @@ class _Hashers:
     def _run(self, names: list[str], contents: dict[str, list[memoryview]]) -> None:
         try:
             for name in names:
-                self._digests[name] = _sha256(contents[name])
+                self._digests[name] = _digest(contents[name])
         except BaseException as exc:  # surfaced by join()
             self._errors.append(exc)
 
@@ -235,10 +238,10 @@ class _Hashers:
         return self._digests
 
 
-def _sha256(chunks: Sequence[memoryview]) -> str:
-    digest = hashlib.sha256()
+def _digest(chunks: Sequence[memoryview]) -> str:
+    digest = new_hasher(FILE_DIGEST)
     for chunk in chunks:
-        # hashlib releases the GIL for large updates: training and writing carry on meanwhile.
+        # Large updates release the GIL: training and writing carry on meanwhile.
         digest.update(chunk)
     return digest.hexdigest()
 

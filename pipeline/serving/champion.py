@@ -2,7 +2,7 @@
 
 ``mlflow.pyfunc.load_model("models:/…@champion")`` would run whatever Python sits in the model's
 artifact folder and load whatever weights sit beside it. Tracks' loader does neither: it reads
-the promotion's serving manifest from the ledger (each served file's name, size and sha256,
+the promotion's serving manifest from the ledger (each served file's name, size and digest,
 taken from the verified checkpoint when it was promoted), downloads the version's artifacts,
 refuses a link, a missing file or a byte that differs, and builds the model with the installed
 Tracks package from safetensors and JSON alone. No code from the artifact folder is imported.
@@ -10,7 +10,6 @@ Tracks package from safetensors and JSON alone. No code from the artifact folder
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline import ids
+from pipeline.digests import new_hasher, recorded_digest
 from pipeline.mlflow_setup import CHAMPION_ALIAS, DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class ServedModel:
 
 
 def serving_manifest(checkpoint_dir: str | Path, checkpoint_manifest_sha256: str) -> dict[str, Any]:
-    """What promotion records for serving: each served file's size and sha256.
+    """What promotion records for serving: each served file's size and digest (with algorithm).
 
     Taken from the checkpoint's verified ``MANIFEST.json``, so the bytes vouched for are the
     bytes training committed.
@@ -77,7 +77,13 @@ def serving_manifest(checkpoint_dir: str | Path, checkpoint_manifest_sha256: str
     files = {}
     for key, name in SERVED_ARTIFACTS.items():
         entry = listed[name]
-        files[key] = {"name": name, "bytes": int(entry["size"]), "sha256": entry["sha256"]}
+        algorithm, digest = recorded_digest(entry)
+        files[key] = {
+            "name": name,
+            "bytes": int(entry["size"]),
+            "algorithm": algorithm.value,
+            "digest": digest,
+        }
     return {"checkpoint_manifest_sha256": checkpoint_manifest_sha256, "files": files}
 
 
@@ -141,22 +147,26 @@ def _verified_files(
         path = artifacts / name
         if name not in present:
             raise ChampionVerificationError(model_name, version, f"{name} is missing")
+        try:
+            algorithm, recorded = recorded_digest(spec)  # records before BLAKE3 name sha256
+        except ValueError as exc:
+            raise ChampionVerificationError(model_name, version, f"{name}: {exc}") from exc
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link is refused, not followed
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ChampionVerificationError(model_name, version, f"{name} is not a file")
-            digest, size = hashlib.sha256(), 0
+            digest, size = new_hasher(algorithm), 0
             while chunk := os.read(fd, 4 * 1024 * 1024):
                 digest.update(chunk)
                 size += len(chunk)
         finally:
             os.close(fd)
-        if size != spec["bytes"] or digest.hexdigest() != spec["sha256"]:
+        if size != spec["bytes"] or digest.hexdigest() != recorded:
             raise ChampionVerificationError(
                 model_name,
                 version,
-                f"{name} has sha256 {digest.hexdigest()} ({size} bytes), but promotion recorded "
-                f"{spec['sha256']} ({spec['bytes']} bytes)",
+                f"{name} has {algorithm} {digest.hexdigest()} ({size} bytes), but promotion "
+                f"recorded {recorded} ({spec['bytes']} bytes)",
             )
         paths[key] = path
     return paths
