@@ -18,7 +18,6 @@ probe batch in ``resume``), so a peer's restore is a floor Tracks has to meet wi
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +29,8 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn import Module
 from torch.optim import Optimizer
+
+from pipeline.durable import fsync_dir, fsync_file
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,10 @@ class PeerFigures:
 
 def _fsync_tree(directory: Path) -> None:
     for path in [*directory.rglob("*"), directory]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if path.is_dir():
+            fsync_dir(path)
+        else:
+            fsync_file(path)
 
 
 class Peer:
