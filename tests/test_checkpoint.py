@@ -11,6 +11,7 @@ from pathlib import Path
 
 import blake3
 import pytest
+import safetensors.torch
 import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
@@ -204,13 +205,13 @@ def test_checkpoint_is_safetensors_and_json_and_evaluators_can_rebuild_the_model
 def test_committed_is_written_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[str] = []
     durable, atomic = checkpoint_writer.write_file_durably, checkpoint_writer.replace_atomically
-    chunks = checkpoint_writer._write_chunks_durably
+    chunks = checkpoint_writer.write_chunks_durably
     monkeypatch.setattr(
         checkpoint_writer, "write_file_durably", lambda p, d: (order.append(p.name), durable(p, d))
     )
     monkeypatch.setattr(
         checkpoint_writer,
-        "_write_chunks_durably",
+        "write_chunks_durably",
         lambda p, c, **kw: (order.append(p.name), chunks(p, c, **kw))[1],
     )
     monkeypatch.setattr(
@@ -514,14 +515,22 @@ def test_a_sha256_checkpoint_from_before_blake3_restores_bit_exact(tmp_path: Pat
     entries = json.loads((legacy / MANIFEST_FILE).read_text())["files"]
     assert all("sha256" in e and "algorithm" not in e for e in entries)
     data = _data()
-    original = _state(data)
-    _steps(original, data, 9)
-    expected = _steps(original, data, 8)
-
     resumed = _state(data, seed=99)
     info = _manager(tmp_path, attempt=2).resume(resumed)
     assert info is not None and info.step == 9 and info.path == legacy
-    assert _steps(resumed, data, 8) == expected
+    # Bit-exact restore: the live weights are the bytes the old code wrote. (The fixture was
+    # written on another CPU, so its trajectory is not compared with one trained here:
+    # AVX2 and AVX512 kernels differ in the last bit.)
+    saved = safetensors.torch.load_file(str(legacy / "model.safetensors"))
+    live = resumed.model.state_dict()
+    assert saved.keys() == live.keys()
+    assert all(torch.equal(saved[name], live[name]) for name in saved)
+    # And training goes on from there deterministically: two restores, the same 8 steps
+    # (one after the other: a restore sets the process's global RNG).
+    first = _steps(resumed, data, 8)
+    again = _state(data, seed=7)
+    _manager(tmp_path, attempt=3).resume(again)
+    assert _steps(again, data, 8) == first
     # A changed byte is still caught by the digest the old manifest recorded.
     _flip_byte(legacy)
     with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors.*sha256 is"):

@@ -23,8 +23,27 @@ COMMITTED_FILE = "COMMITTED"
 # and never counted by retention, even when no ledger is attached.
 CORRUPT_FILE = "CORRUPT"
 FORMAT = "tracks-checkpoint/1"
+# Written by N ranks: model and optimizer tensors as torch.distributed.checkpoint shards
+# (DCP_METADATA_FILE and one ``__<rank>_<n>.distcp`` file per rank and writer thread), each
+# rank's RNG in ``rank-<rank>.json``, each rank's digests in ``digests-<rank>.json``.
+SHARDED_FORMAT = "tracks-checkpoint-sharded/1"
+DCP_METADATA_FILE = ".metadata"
+_DCP_SHARD_RE = re.compile(r"^__\d+_\d+\.distcp$")
 
 _DIR_RE = re.compile(r"^step-(?P<step>\d{10})-a(?P<attempt>\d{2,})$")
+
+
+def is_dcp_file(name: str) -> bool:
+    """A file torch.distributed.checkpoint writes (and only its restricted loaders read)."""
+    return name == DCP_METADATA_FILE or _DCP_SHARD_RE.match(name) is not None
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def digests_file(rank: int) -> str:
+    return f"digests-{rank:05d}.json"
 
 
 def checkpoint_dir_name(step: int, attempt_no: int) -> str:

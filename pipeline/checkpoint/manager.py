@@ -67,7 +67,11 @@ from pipeline.checkpoint.verify import (
     is_committed,
     load_checkpoint,
 )
-from pipeline.checkpoint.writer import commit_checkpoint_dir, write_checkpoint_files
+from pipeline.checkpoint.writer import (
+    commit_checkpoint_dir,
+    cpu_capability,
+    write_checkpoint_files,
+)
 from pipeline.states import CheckpointState
 
 if TYPE_CHECKING:
@@ -702,11 +706,16 @@ def probe_matches_outside_model(state: TrainingState, contents: CheckpointConten
 
 
 def validate_probe(state: TrainingState, contents: CheckpointContents) -> None:
-    """Recompute the probe logits and compare: exactly on CPU, allclose where a GPU was involved."""
+    """Recompute the probe logits and compare: exactly on the same CPU kernels, else allclose."""
     inputs, expected = contents.probe["inputs"], contents.probe["logits"]
     actual = probe_logits(state.model, inputs).detach().cpu()
     device = str(next(state.model.parameters()).device)
-    exact = contents.probe_device == "cpu" and device == "cpu"
+    # Exact only where the kernels are the same: CPU on both sides, same instruction set.
+    exact = (
+        contents.probe_device == "cpu"
+        and device == "cpu"
+        and contents.probe_cpu_capability == cpu_capability()
+    )
     if actual.shape != expected.shape:
         raise CorruptCheckpointError(
             contents.info.path,
@@ -725,8 +734,9 @@ def validate_probe(state: TrainingState, contents: CheckpointContents) -> None:
             contents.info.path,
             PROBE_FILE,
             f"post-restore probe logits differ from those saved (max abs diff {diff:.3g},"
-            f" {'exact' if exact else 'allclose'} comparison, saved on {contents.probe_device},"
-            f" restored on {device})",
+            f" {'exact' if exact else 'allclose'} comparison, saved on {contents.probe_device}"
+            f" ({contents.probe_cpu_capability or 'CPU kernels not recorded'}),"
+            f" restored on {device} ({cpu_capability()}))",
         )
 
 

@@ -23,12 +23,15 @@ from pipeline.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointE
 from pipeline.checkpoint.layout import (
     COMMITTED_FILE,
     CORRUPT_FILE,
+    DCP_METADATA_FILE,
     FORMAT,
     MANIFEST_FILE,
     MODEL_FILE,
     OPTIMIZER_FILE,
     PROBE_FILE,
+    SHARDED_FORMAT,
     TRAINER_STATE_FILE,
+    is_dcp_file,
     parse_checkpoint_dir_name,
 )
 from pipeline.checkpoint.tensorfile import TensorFileError, parse_safetensors
@@ -68,6 +71,10 @@ class CheckpointInfo:
     size_bytes: int
     metrics: dict[str, float] = field(default_factory=dict)
     files: tuple[str, ...] = ()
+    # FORMAT (one process, safetensors) or SHARDED_FORMAT (ranks' DCP shards), and the
+    # number of ranks that wrote it.
+    format: str = FORMAT
+    world_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,8 @@ class CheckpointContents:
     trainer_state: dict[str, Any]
     probe: dict[str, torch.Tensor]
     probe_device: str
+    # Where the probe logits were computed (None: written before this was recorded).
+    probe_cpu_capability: str | None = None
 
 
 def is_committed(directory: Path) -> bool:
@@ -106,12 +115,18 @@ def checkpoint_dirs(run_dir: Path, *, committed_only: bool = True) -> list[Path]
     return [path for _, path in sorted(found, reverse=True)]
 
 
-def refuse_pickle(directory: Path) -> None:
-    """Raise :class:`UnsafeCheckpointError` if any file in ``directory`` is or wraps a pickle."""
+def refuse_pickle(directory: Path, *, exempt: frozenset[str] = frozenset()) -> None:
+    """Raise :class:`UnsafeCheckpointError` if any file in ``directory`` is or wraps a pickle.
+
+    ``exempt`` names files a format reads through a restricted loader of its own (a sharded
+    checkpoint's DCP files: see :mod:`pipeline.checkpoint.sharded`).
+    """
     for path in sorted(directory.rglob("*")):
         if not path.is_file():
             continue
         name = str(path.relative_to(directory))
+        if name in exempt:
+            continue
         if path.suffix.lower() in PICKLE_SUFFIXES:
             raise UnsafeCheckpointError(directory, name, f"has a pickle suffix ({path.suffix})")
         with open(path, "rb") as handle:
@@ -191,7 +206,10 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, Lis
     if not directory.is_dir():
         raise CorruptCheckpointError(directory, ".", "directory does not exist")
     _refuse_links(directory)
-    refuse_pickle(directory)
+    # DCP's own files are exempt here, and later refused unless a sharded manifest lists them.
+    refuse_pickle(
+        directory, exempt=frozenset(p.name for p in directory.iterdir() if is_dcp_file(p.name))
+    )
     committed, _ = _read_json(directory, COMMITTED_FILE)
     manifest, manifest_raw = _read_json(directory, MANIFEST_FILE)
     for key in ("manifest_sha256", "run_id", "attempt_no", "step"):
@@ -204,9 +222,12 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, Lis
             MANIFEST_FILE,
             f"sha256 is {actual} but COMMITTED points at {committed['manifest_sha256']}",
         )
-    if manifest.get("format") != FORMAT:
+    checkpoint_format = manifest.get("format")
+    if checkpoint_format not in (FORMAT, SHARDED_FORMAT):
         raise CorruptCheckpointError(
-            directory, MANIFEST_FILE, f"format {manifest.get('format')!r}, expected {FORMAT!r}"
+            directory,
+            MANIFEST_FILE,
+            f"format {checkpoint_format!r}, expected {FORMAT!r} or {SHARDED_FORMAT!r}",
         )
     for key in ("run_id", "attempt_no", "step"):
         if manifest.get(key) != committed[key]:
@@ -241,9 +262,20 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, Lis
                 directory, MANIFEST_FILE, f"entry {entry['name']!r}: {exc}"
             ) from exc
         listed[entry["name"]] = ListedFile(entry["name"], entry["size"], algorithm, digest)
-    for required in (MODEL_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, PROBE_FILE):
-        if required not in listed:
-            raise CorruptCheckpointError(directory, MANIFEST_FILE, f"does not list {required}")
+    sharded = checkpoint_format == SHARDED_FORMAT
+    required = (
+        (DCP_METADATA_FILE, TRAINER_STATE_FILE, PROBE_FILE)
+        if sharded
+        else (MODEL_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, PROBE_FILE)
+    )
+    for name in required:
+        if name not in listed:
+            raise CorruptCheckpointError(directory, MANIFEST_FILE, f"does not list {name}")
+    world_size = manifest.get("world_size", 1)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise CorruptCheckpointError(directory, MANIFEST_FILE, f"world_size {world_size!r}")
+    if not sharded:
+        refuse_pickle(directory)  # DCP files in a single-process checkpoint are not exempt
     size_bytes = len(manifest_raw)
     for name, entry in listed.items():
         path = directory / name
@@ -272,6 +304,8 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, Lis
         size_bytes=size_bytes,
         metrics=dict(manifest.get("metrics") or {}),
         files=tuple(sorted(listed)),
+        format=checkpoint_format,
+        world_size=world_size,
     )
     return info, listed
 
@@ -284,6 +318,10 @@ def load_checkpoint(directory: str | Path) -> CheckpointContents:
     is caught. The tensors returned are views into those buffers (no copy).
     """
     info, listed = _verify_layout(directory)
+    if info.format == SHARDED_FORMAT:
+        from pipeline.checkpoint.sharded import load_sharded
+
+        return load_sharded(info, listed)
     # Two files are read and hashed side by side, largest first, so the disk always has a
     # read queued while a finished slice is hashed (a legacy SHA-256 hash runs on one core).
     wanted = sorted(
@@ -317,6 +355,7 @@ def load_checkpoint(directory: str | Path) -> CheckpointContents:
         trainer_state=trainer_state,
         probe=probe,
         probe_device=probe_meta.get("device", "cpu"),
+        probe_cpu_capability=probe_meta.get("cpu_capability"),
     )
 
 

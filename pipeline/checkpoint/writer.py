@@ -67,9 +67,23 @@ def serialize_staged(staged: StagedCheckpoint) -> dict[str, list[memoryview]]:
         OPTIMIZER_FILE: safetensors_chunks(staged.training_tensors, {"format": "pt"}),
         TRAINER_STATE_FILE: [memoryview(trainer_state)],
         PROBE_FILE: safetensors_chunks(
-            staged.probe, {"format": "pt", "device": staged.probe_device}
+            staged.probe,
+            {
+                "format": "pt",
+                "device": staged.probe_device,
+                # CPU kernels differ in the last bit between instruction sets (AVX2, AVX512):
+                # an exact post-restore comparison holds only on the same one.
+                "cpu_capability": cpu_capability(),
+            },
         ),
     }
+
+
+def cpu_capability() -> str:
+    """The instruction set torch's CPU kernels use here (e.g. ``AVX2``, ``AVX512``)."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def write_checkpoint_files(
@@ -88,17 +102,17 @@ def write_checkpoint_files(
     try:
         directory.mkdir(parents=True, exist_ok=False)
     except OSError as exc:
-        raise _naming(exc, directory, staged.step) from exc
+        raise naming_step(exc, directory, staged.step) from exc
     contents = serialize_staged(staged)
     digests = _Hashers(contents, hash_workers)
     files: list[dict[str, Any]] = []
     try:
         for name, chunks in contents.items():
             halfway = _fault_halfway(staged.step) if name == OPTIMIZER_FILE else None
-            size = _write_chunks_durably(directory / name, chunks, halfway=halfway)
+            size = write_chunks_durably(directory / name, chunks, halfway=halfway)
             files.append({"name": name, "size": size})
     except OSError as exc:
-        raise _naming(exc, exc.filename or directory, staged.step) from exc
+        raise naming_step(exc, exc.filename or directory, staged.step) from exc
     finally:
         computed = digests.join()  # never leave a thread reading buffers the caller will reuse
     for entry in files:
@@ -118,7 +132,7 @@ def write_checkpoint_files(
         fsync_dir(directory)
         fsync_dir(directory.parent)
     except OSError as exc:
-        raise _naming(exc, directory / MANIFEST_FILE, staged.step) from exc
+        raise naming_step(exc, directory / MANIFEST_FILE, staged.step) from exc
     return WrittenCheckpoint(
         path=directory,
         run_id=run_id,
@@ -145,7 +159,7 @@ def commit_checkpoint_dir(written: WrittenCheckpoint, *, fencing_token: int | No
             written.path / COMMITTED_FILE, json.dumps(payload, sort_keys=True).encode()
         )
     except OSError as exc:
-        raise _naming(exc, written.path / COMMITTED_FILE, written.step) from exc
+        raise naming_step(exc, written.path / COMMITTED_FILE, written.step) from exc
     return payload
 
 
@@ -173,7 +187,7 @@ def write_chunks(fd: int, chunks: Sequence[memoryview], halfway: Callable[[], No
     return written
 
 
-def _write_chunks_durably(
+def write_chunks_durably(
     path: Path, chunks: Sequence[memoryview], *, halfway: Callable[[], None] | None = None
 ) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -203,7 +217,7 @@ class _Hashers:
         for name, chunks in contents.items():
             size = sum(len(c) for c in chunks)
             if size < _HASH_IN_THREAD_BYTES or workers < 1:
-                self._digests[name] = _digest(chunks)
+                self._digests[name] = chunks_digest(chunks)
             else:
                 large.append((size, name))
         # Largest first onto the least loaded worker: two workers split model and optimizer.
@@ -226,7 +240,7 @@ class _Hashers:
     def _run(self, names: list[str], contents: dict[str, list[memoryview]]) -> None:
         try:
             for name in names:
-                self._digests[name] = _digest(contents[name])
+                self._digests[name] = chunks_digest(contents[name])
         except BaseException as exc:  # surfaced by join()
             self._errors.append(exc)
 
@@ -238,7 +252,7 @@ class _Hashers:
         return self._digests
 
 
-def _digest(chunks: Sequence[memoryview]) -> str:
+def chunks_digest(chunks: Sequence[memoryview]) -> str:
     digest = new_hasher(FILE_DIGEST)
     for chunk in chunks:
         # Large updates release the GIL: training and writing carry on meanwhile.
@@ -246,7 +260,7 @@ def _digest(chunks: Sequence[memoryview]) -> str:
     return digest.hexdigest()
 
 
-def _naming(exc: OSError, path: Path | str, step: int) -> OSError:
+def naming_step(exc: OSError, path: Path | str, step: int) -> OSError:
     """The same kind of OSError (errno kept) naming the file and the checkpoint's step."""
     if exc.errno is None:
         return exc
