@@ -7,7 +7,7 @@ how the trainer process is launched and how it ended.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -218,6 +218,15 @@ def _words_field(words: dict[str, Any] | None, key: str, kind: type) -> Any:
     return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
+def _first_failed_rank(store: Path, run_id: str, attempt_no: int) -> dict[str, Any] | None:
+    """The launcher's record of the rank that failed first (distributed attempts only)."""
+    from pipeline.distributed.launch import ranks_summary_path
+
+    summary = read_last_words(ranks_summary_path(store, run_id, attempt_no))
+    first = summary.get("first_failure") if summary else None
+    return first if isinstance(first, dict) else None
+
+
 def finish_attempt(
     ledger: Ledger,
     prepared: PreparedAttempt,
@@ -235,6 +244,13 @@ def finish_attempt(
     latest = ledger.latest_committed_checkpoint(run_id)
     last_step = latest.step if latest else None
     words = read_last_words(last_words_path(store, run_id, attempt_no))
+    first_failure = _first_failed_rank(store, run_id, attempt_no)
+    if first_failure is not None and first_failure.get("rank"):
+        # Rank 0's last words describe what it saw (a peer gone); the rank that failed first
+        # is the story, with its own last words when it left any (a SIGKILL leaves none).
+        words = read_last_words(
+            last_words_path(store, run_id, attempt_no, rank=int(first_failure["rank"]))
+        )
     # Evidence first: a trainer that caught SIGTERM exits 75 on its own, so the process shows no
     # signal, but its last words name the one it received; they also name the step it reached.
     signal_name = signal_name or _words_field(words, "signal", str)
@@ -252,6 +268,12 @@ def finish_attempt(
         wall_seconds=wall,
         max_wall_seconds=prepared.train_config.max_wall_seconds,
     )
+    if first_failure is not None:
+        termination = replace(
+            termination,
+            detail=f"{termination.detail} Rank {first_failure.get('rank')} failed first: "
+            f"{first_failure.get('detail')}",
+        )
     accelerators = int(prepared.attempt.placement.get("accelerator_count") or 0)
     ended = ledger.end_attempt(
         run_id,

@@ -560,6 +560,22 @@ class Ledger:
             )
         )
 
+    def merge_placement(self, run_id: str, attempt_no: int, fields: dict[str, Any]) -> None:
+        """Add what only the trainer knows to the attempt's placement (world size, resharding)."""
+        t = schema.training_attempts
+
+        def _merge(conn: Any) -> None:
+            current = conn.execute(
+                sa.select(t.c.placement).where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
+            ).scalar_one_or_none()
+            conn.execute(
+                sa.update(t)
+                .where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
+                .values(placement={**(current or {}), **fields})
+            )
+
+        self._tx(_merge)
+
     def set_timings(self, run_id: str, attempt_no: int, timings: dict[str, Any]) -> None:
         """What the trainer's clocks measured (process, set-up, training loop), in seconds."""
         t = schema.training_attempts

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ids.InvalidIdError, safepath.UnsafePathError) as exc:
         print(f"python -m pipeline.trainer: {exc}", file=sys.stderr)
         return exit_codes.BAD_INPUT
+    from pipeline.distributed.launch import die_with_launcher
+
+    die_with_launcher()
     # Installed before torch is imported: a SIGTERM during start-up still ends in a clean save.
     from pipeline.trainer.train import StopRequest
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # How often a running trainer tells the ledger it is alive (and the step it reached); drills
 # shorten it with TRACKS_HEARTBEAT_SECONDS so the receipt follows the steps closely.
 HEARTBEAT_SECONDS = float(os.environ.get("TRACKS_HEARTBEAT_SECONDS") or 5.0)
-_LAST_WORDS_RE = re.compile(r"^attempt-(\d+)\.last_words\.json$")
+_LAST_WORDS_RE = re.compile(r"^attempt-(\d+)(?:\.rank-\d+)?\.last_words\.json$")
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,14 @@ class Outcome:
     signal: str | None = None
 
 
-def last_words_path(store: str | Path, run_id: str, attempt_no: int) -> Path:
-    """``<store>/<run_id>/attempt-<n>.last_words.json``: what the classifier reads."""
-    return layout.run_dir(store, run_id) / f"attempt-{ids.attempt_no(attempt_no)}.last_words.json"
+def last_words_path(store: str | Path, run_id: str, attempt_no: int, *, rank: int = 0) -> Path:
+    """``<store>/<run_id>/attempt-<n>.last_words.json``: what the classifier reads.
+
+    Ranks other than 0 keep theirs beside it (``attempt-<n>.rank-<r>.last_words.json``).
+    """
+    number = ids.attempt_no(attempt_no)
+    suffix = f".rank-{int(rank):05d}" if rank else ""
+    return layout.run_dir(store, run_id) / f"attempt-{number}{suffix}.last_words.json"
 
 
 def next_standalone_attempt_no(run_dir: Path) -> int:

@@ -29,6 +29,7 @@ from pipeline.checkpoint import (
     TrainingState,
     layout,
 )
+from pipeline.distributed import CollectiveError, Groups, PeerRankError, World
 from pipeline.states import TerminationReason
 from pipeline.tracking import TrainingTracker
 from pipeline.trainer import exit_codes
@@ -42,7 +43,7 @@ from pipeline.trainer.attempt import (
 from pipeline.trainer.config import ConfigError, TrainConfig
 from pipeline.trainer.data import BadInputError, EpochSampler, TrainingData, load_training_data
 from pipeline.trainer.model import build_model
-from pipeline.trainer.reporting import Reporter, make_reporter
+from pipeline.trainer.reporting import Reporter, StdoutReporter, make_reporter
 
 # Test hook: after step N, pause ("seconds@N") until the pause ends or a stop is requested,
 # so a drill can SIGKILL or SIGTERM the trainer at a known step.
@@ -57,10 +58,16 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        # Distributed: another rank got the signal; this one stops at the same step.
+        self.from_peer = False
 
     @property
     def requested(self) -> bool:
-        return self.signal_name is not None
+        return self.signal_name is not None or self.from_peer
+
+    @property
+    def cause(self) -> str:
+        return self.signal_name or "a stop another rank received"
 
     def install(self) -> None:
         # Dagster Pipes forwards a run's termination as SIGINT, schedulers send SIGTERM.
@@ -88,7 +95,10 @@ def run_training(
     to a YAML file (a config that does not load is a ``CONFIG_ERROR`` with last words).
     """
     started, cpu_started = time.monotonic(), time.process_time()
-    reporter = reporter or make_reporter()
+    world = World.from_env()
+    # Rank 0 alone speaks for the attempt (Pipes, ledger); the other ranks write JSON lines
+    # to their own stdout, which the launcher keeps in a file per rank.
+    reporter = reporter or (make_reporter() if world.leader else StdoutReporter())
     stop = stop or StopRequest()
     # Refused before anything is written: an id that would leave the store is bad input.
     run_dir = layout.run_dir(store, run_id)
@@ -97,7 +107,9 @@ def run_training(
     loaded: TrainConfig | None = None
     try:
         # The ledger first: a config that does not load still leaves its attempt row.
-        ledger = _open_ledger(ledger_url, orchestrated=attempt_no is not None)
+        ledger = (
+            _open_ledger(ledger_url, orchestrated=attempt_no is not None) if world.leader else None
+        )
         attempt = AttemptHandle(
             run_id=run_id,
             run_dir=run_dir,
@@ -107,7 +119,7 @@ def run_training(
             reporter=reporter,
         )
         loaded = config if isinstance(config, TrainConfig) else TrainConfig.load(config)
-        trainer = Trainer(loaded, attempt, reporter, stop, started=started)
+        trainer = Trainer(loaded, attempt, reporter, stop, started=started, world=world)
         outcome = trainer.run()
     except Exception as exc:
         outcome = classify_exception(exc, step=trainer.step if trainer else None)
@@ -135,8 +147,30 @@ def run_training(
         attempt_no=attempt_no,
         config_source=None if isinstance(config, TrainConfig) else str(config),
         cpu_seconds=time.process_time() - cpu_started,
-        gpu_seconds=wall * torch.cuda.device_count() if trainer and trainer.on_gpu else 0.0,
+        # One accelerator per rank when distributed; every visible one for a single process.
+        gpu_seconds=(
+            wall * (world.world_size if world.distributed else torch.cuda.device_count())
+            if trainer and trainer.on_gpu
+            else 0.0
+        ),
+        rank=world.rank,
     )
+    if trainer is not None and trainer.groups is not None:
+        trainer.groups.close()
+    if world.distributed:
+        from pipeline.distributed.launch import write_rank_outcome
+
+        try:
+            write_rank_outcome(
+                world.rank,
+                exit_code=outcome.exit_code,
+                reason=str(outcome.reason),
+                detail=outcome.detail,
+                step=outcome.step,
+                attempt_no=attempt.attempt_no if attempt is not None else attempt_no,
+            )
+        except OSError as exc:
+            reporter.event("outcome_unwritten", {"error": str(exc)[:300]}, level="warning")
     reporter.event(
         "attempt_finished",
         {
@@ -174,6 +208,7 @@ def _leave_receipt(
     cpu_seconds: float,
     gpu_seconds: float,
     config_source: str | None = None,
+    rank: int = 0,
 ) -> int:
     """End a self-owned attempt in the ledger and write last words; returns the attempt number."""
     data = trainer.data if trainer else None
@@ -202,7 +237,7 @@ def _leave_receipt(
     if outcome.reason != TerminationReason.SUCCEEDED:
         try:
             write_last_words(
-                last_words_path(store, run_id, number),
+                last_words_path(store, run_id, number, rank=rank),
                 run_id=run_id,
                 attempt_no=number,
                 outcome=outcome,
@@ -224,8 +259,12 @@ class Trainer:
         stop: StopRequest,
         *,
         started: float,
+        world: World | None = None,
     ) -> None:
         self.config = config
+        self.world = world or World()
+        self.groups: Groups | None = None
+        self._forward: torch.nn.Module | None = None  # the DDP wrapper when distributed
         self.attempt = attempt
         self.reporter = reporter
         self.stop = stop
@@ -244,25 +283,21 @@ class Trainer:
 
     def run(self) -> Outcome:
         cfg = self.config
+        world = self.world
         device = _make_deterministic(cfg)
+        if world.distributed and cfg.batch_size % world.world_size:
+            raise ConfigError(
+                "config",
+                "batch_size",
+                f"{cfg.batch_size} does not split evenly over {world.world_size} ranks",
+            )
+        if world.distributed:
+            self.groups = Groups(world, device)
         self.data = data = load_training_data(cfg.snapshot_dir, ledger=self.attempt.ledger).to(
             device
         )
         state = self._build(data, device)
-        manager = CheckpointManager(
-            self.attempt.run_dir,
-            CheckpointConfig(
-                interval_steps=cfg.checkpoint_every_steps,
-                keep_last_k=cfg.keep_last_k,
-                keep_best_k=cfg.keep_best_k,
-                best_metric=cfg.best_metric,
-                best_mode=cfg.best_mode,  # type: ignore[arg-type]
-            ),
-            run_id=self.attempt.run_id,
-            ledger=self.attempt.ledger,
-            on_event=self._checkpoint_event,
-            on_commit=self._checkpoint_committed,
-        )
+        manager = self._make_manager()
         self._manager = manager
         resumed = manager.resume(state)
         self.step, self.last_checkpoint = state.step, resumed
@@ -281,6 +316,8 @@ class Trainer:
             resumed_from=str(resumed.path) if resumed else None,
         )
         manager.bind_attempt(self.attempt.attempt_no, self.attempt.fencing_token)  # type: ignore[arg-type]
+        # Rank 0 began the attempt; the others learnt its number from it.
+        self.attempt.attempt_no = manager.attempt_no
         # Holding the token now: a commit an older attempt made just before is not missed.
         reconciled = manager.reconcile_with_ledger(state, resumed)
         if reconciled != resumed and self.attempt.ledger is not None:
@@ -291,6 +328,12 @@ class Trainer:
             )
         resumed = reconciled
         self.step, self.last_checkpoint = state.step, resumed
+        self._record_world(manager)
+        if world.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # Wrapped after the restore: DDP broadcasts rank 0's weights when it is built.
+            self._forward = DistributedDataParallel(state.model)
         self.reporter.event(
             "attempt_started",
             {
@@ -320,9 +363,64 @@ class Trainer:
                     final=outcome is not None and outcome.reason == TerminationReason.SUCCEEDED,
                 )
 
+    def _make_manager(self) -> CheckpointManager:
+        cfg = self.config
+        policy = CheckpointConfig(
+            interval_steps=cfg.checkpoint_every_steps,
+            keep_last_k=cfg.keep_last_k,
+            keep_best_k=cfg.keep_best_k,
+            best_metric=cfg.best_metric,
+            best_mode=cfg.best_mode,  # type: ignore[arg-type]
+        )
+        if self.groups is None:
+            return CheckpointManager(
+                self.attempt.run_dir,
+                policy,
+                run_id=self.attempt.run_id,
+                ledger=self.attempt.ledger,
+                on_event=self._checkpoint_event,
+                on_commit=self._checkpoint_committed,
+            )
+        from pipeline.checkpoint.sharded import ShardedCheckpointManager
+
+        return ShardedCheckpointManager(
+            self.attempt.run_dir,
+            policy,
+            run_id=self.attempt.run_id,
+            world=self.world,
+            groups=self.groups,
+            ledger=self.attempt.ledger,
+            on_event=self._checkpoint_event,
+            on_commit=self._checkpoint_committed,
+        )
+
+    def _record_world(self, manager: CheckpointManager) -> None:
+        """The world this attempt ran as, and whether its restore resharded, on the receipt."""
+        resharded_from = getattr(manager, "resharded_from", None)
+        if manager.last_committed is not None and not self.world.distributed:
+            written_by = manager.last_committed.world_size
+            resharded_from = written_by if written_by != 1 else None
+        fields: dict[str, Any] = {**self.world.placement(), "resharded_from": resharded_from}
+        if resharded_from is not None:
+            self.reporter.event(
+                "resharded",
+                {
+                    "path": self.last_checkpoint_path,
+                    "written_by_world_size": resharded_from,
+                    "world_size": self.world.world_size,
+                },
+                level="warning",
+            )
+        ledger, number = self.attempt.ledger, self.attempt.attempt_no
+        if ledger is not None and number is not None:
+            try:
+                ledger.merge_placement(self.attempt.run_id, number, fields)
+            except Exception as exc:  # a receipt detail; never worth failing the attempt over
+                self.reporter.event("ledger_unreachable", {"error": str(exc)[:500]}, "warning")
+
     def _start_tracking(self, state: TrainingState, data: TrainingData) -> TrainingTracker | None:
         uri = os.environ.get("TRACKS_MLFLOW_URI")
-        if not uri:
+        if not uri or not self.world.leader:
             return None  # a standalone trainer without MLflow: the ledger is the record
         return TrainingTracker.start(
             lambda message: self.reporter.event("tracking_off", {"detail": message}, "warning"),
@@ -369,7 +467,7 @@ class Trainer:
         window_start, window_steps = time.monotonic(), 0
         self.loop_started = window_start
         while state.step < cfg.max_steps:
-            loss = train_step(state, data)
+            loss = train_step(state, data, world=self.world, forward=self._forward)
             state.step += 1
             self.step = state.step
             window_steps += 1
@@ -409,6 +507,12 @@ class Trainer:
                 cfg.max_wall_seconds is not None
                 and time.monotonic() - self.started >= cfg.max_wall_seconds
             )
+            if self.world.distributed:
+                # Every rank saves and stops at the same step: a signal or the clock may
+                # reach the ranks at different moments.
+                requested, timed_out = _agree_to_stop(self.stop.requested, timed_out, self.world)
+                if requested and not self.stop.requested:
+                    self.stop.from_peer = True
             last = state.step >= cfg.max_steps
             stopping = last or self.stop.requested or timed_out
             if manager.should_save(state.step) or stopping:
@@ -420,7 +524,7 @@ class Trainer:
                 return Outcome(
                     TerminationReason.PREEMPTED,
                     exit_codes.PREEMPTED,
-                    f"Stopped on {self.stop.signal_name} after step {state.step} of "
+                    f"Stopped on {self.stop.cause} after step {state.step} of "
                     f"{cfg.max_steps} and committed a checkpoint at step {state.step}.",
                     step=state.step,
                     signal=self.stop.signal_name,
@@ -459,6 +563,8 @@ class Trainer:
     def _checkpoint_committed(self, info: CheckpointInfo) -> None:
         # Called on the training thread, also for saves the background writer committed.
         self.last_checkpoint = info
+        if not self.world.leader:
+            return
         fields: dict[str, Any] = {
             "run_id": info.run_id,
             "attempt_no": info.attempt_no,
@@ -531,17 +637,54 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> tuple[torch.opt
     return optimizer, scheduler
 
 
-def train_step(state: TrainingState, data: TrainingData) -> float:
-    """One optimizer step on the next batch of the data cursor; returns the loss."""
+def train_step(
+    state: TrainingState,
+    data: TrainingData,
+    *,
+    world: World | None = None,
+    forward: torch.nn.Module | None = None,
+) -> float:
+    """One optimizer step on the next batch of the data cursor; returns the (global) loss.
+
+    Distributed: every rank draws the same global batch from the cursor (so the cursor, and
+    the data position a checkpoint records, do not depend on the world size) and trains on
+    its own slice; DDP (``forward``) averages the gradients, and the loss is averaged too.
+    """
     indices = state.data_cursor.next_indices()  # type: ignore[attr-defined]
+    if world is not None and world.distributed:
+        indices = indices[world.rank :: world.world_size]
     images, labels = data.train_images[indices], data.train_labels[indices]
     state.optimizer.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(state.model(images), labels)
+    loss = F.cross_entropy((forward or state.model)(images), labels)
     loss.backward()
     state.optimizer.step()
     if state.lr_scheduler is not None:
         state.lr_scheduler.step()
+    if world is not None and world.distributed:
+        return _global_mean(loss.detach(), world)
     return float(loss.item())
+
+
+def _global_mean(loss: torch.Tensor, world: World) -> float:
+    import torch.distributed as dist
+
+    total = loss.to("cpu", torch.float64).reshape(1)
+    try:
+        dist.all_reduce(total)
+    except Exception as exc:
+        raise CollectiveError("averaging the loss", world.rank, exc) from exc
+    return float(total.item()) / world.world_size
+
+
+def _agree_to_stop(requested: bool, timed_out: bool, world: World) -> tuple[bool, bool]:
+    import torch.distributed as dist
+
+    flags = torch.tensor([float(requested), float(timed_out)])
+    try:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    except Exception as exc:
+        raise CollectiveError("agreeing when to stop", world.rank, exc) from exc
+    return bool(flags[0].item()), bool(flags[1].item())
 
 
 def evaluate(
@@ -584,6 +727,9 @@ def classify_exception(exc: BaseException, *, step: int | None) -> Outcome:
         reason, code = TerminationReason.BAD_INPUT, exit_codes.BAD_INPUT
     elif isinstance(exc, torch.OutOfMemoryError):
         reason, code = TerminationReason.OOM, exit_codes.OOM
+    elif isinstance(exc, CollectiveError | PeerRankError):
+        # A peer rank died or failed: this rank is collateral; the launcher names the first.
+        reason, code = TerminationReason.INFRA_TRANSIENT, exit_codes.INFRA_TRANSIENT
     elif isinstance(exc, OSError) or _is_database_error(exc):
         reason, code = TerminationReason.INFRA_TRANSIENT, exit_codes.INFRA_TRANSIENT
     where = f" at step {step}" if step is not None else " before the first step"

@@ -1,0 +1,608 @@
+"""Sharded checkpoints: N ranks write one step directory under the same commit protocol.
+
+Layout (``SHARDED_FORMAT``), inside the usual ``step-<step>-a<attempt>`` directory::
+
+    .metadata  __<rank>_0.distcp …   model and optimizer tensors (torch.distributed.checkpoint)
+    rank-<rank>.json                  that rank's RNG (JSON)
+    digests-<rank>.json               size and digest of that rank's own files
+    trainer_state.json  probe.safetensors  MANIFEST.json  COMMITTED     (rank 0; COMMITTED last)
+
+Save order: rank 0 records the save as writing (fenced) and makes the directory; every rank
+writes its DCP shard (``dcp.save`` returns only after every shard and ``.metadata`` are
+fsynced), then its rank file and the digests of its own files, so hashing runs on every rank at
+once; every rank agrees it is done; rank 0 hashes ``.metadata`` and its own JSON, writes
+MANIFEST.json, commits the ledger under the fencing token, and renames COMMITTED into place.
+A rank that dies anywhere in between leaves a directory without COMMITTED, which no reader uses.
+
+Reading: DCP's tensors load with ``torch.load(weights_only=True)``; ``.metadata`` is a pickle,
+so it is read only from bytes whose digest matches the manifest, through an allow-list
+unpickler, and refused if it describes any non-tensor (``BytesStorageMetadata``) item, whose
+loading would unpickle arbitrary objects. Every other value is JSON.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import shutil
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.checkpoint.codec import decode_state
+from pipeline.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from pipeline.checkpoint.layout import (
+    DCP_METADATA_FILE,
+    MANIFEST_FILE,
+    PROBE_FILE,
+    SHARDED_FORMAT,
+    TRAINER_STATE_FILE,
+    checkpoint_dir_name,
+    digests_file,
+    fsync_dir,
+    is_dcp_file,
+    make_dir_durably,
+    rank_file,
+    write_file_durably,
+)
+from pipeline.checkpoint.manager import (
+    CheckpointConfig,
+    CheckpointManager,
+    _fault_sleep_before_commit,
+    _restore_staged,
+)
+from pipeline.checkpoint.state import StagedCheckpoint, TrainingState, stage_checkpoint
+from pipeline.checkpoint.tensorfile import TensorFileError, parse_safetensors
+from pipeline.checkpoint.verify import (
+    CheckpointContents,
+    CheckpointInfo,
+    ListedFile,
+    _verify_layout,
+    is_committed,
+    load_checkpoint,
+    read_verified,
+)
+from pipeline.checkpoint.writer import (
+    WrittenCheckpoint,
+    chunks_digest,
+    commit_checkpoint_dir,
+    naming_step,
+    serialize_staged,
+    write_chunks_durably,
+)
+from pipeline.digests import FILE_DIGEST, file_digest, sha256_bytes
+from pipeline.distributed.world import Groups, PeerRankError, World
+
+MODEL_PREFIX, TRAINING_PREFIX = "model/", "training/"
+
+# Everything a DCP ``.metadata`` pickle of tensors-only state may name (torch 2.13). Anything
+# else (os.system, a lambda, a BytesIO payload) is refused before it is constructed.
+_METADATA_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "strided"),
+        ("pathlib", "PosixPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+    | {("torch", name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32")}
+    | {("torch", name) for name in ("int16", "int8", "uint8", "bool", "complex64")}
+)
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, directory: Path) -> None:
+        super().__init__(io.BytesIO(data))
+        self._directory = directory
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _METADATA_GLOBALS:
+            raise CorruptCheckpointError(
+                self._directory,
+                DCP_METADATA_FILE,
+                f"names {module}.{name}, which is not on the allow-list for DCP metadata",
+            )
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(directory: Path, listed: dict[str, ListedFile]) -> Any:
+    """DCP's ``.metadata``, from bytes that match the manifest, through the allow-list."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    raw = read_verified(directory, listed[DCP_METADATA_FILE]).numpy().tobytes()
+    try:
+        metadata = _AllowListUnpickler(raw, directory).load()
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(directory, DCP_METADATA_FILE, f"does not load: {exc}") from exc
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(directory, DCP_METADATA_FILE, "is not DCP Metadata")
+    for key, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            raise CorruptCheckpointError(
+                directory,
+                DCP_METADATA_FILE,
+                f"item {key!r} is {type(item).__name__}: only tensors are read from DCP files",
+            )
+        if not key.startswith((MODEL_PREFIX, TRAINING_PREFIX)):
+            raise CorruptCheckpointError(directory, DCP_METADATA_FILE, f"unexpected item {key!r}")
+    for where in (metadata.storage_data or {}).values():
+        # DCP opens <directory>/<relative_path>: only a shard the manifest lists may be named.
+        if not isinstance(where, _StorageInfo) or not (
+            isinstance(where.relative_path, str)
+            and is_dcp_file(where.relative_path)
+            and where.relative_path in listed
+        ):
+            raise CorruptCheckpointError(
+                directory,
+                DCP_METADATA_FILE,
+                f"points at a file the manifest does not list: {where}",
+            )
+    return metadata
+
+
+def _verified_reader(directory: Path, metadata: Any) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class VerifiedReader(FileSystemReader):
+        """DCP's file reader, handed the metadata already read through the allow-list."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return VerifiedReader(directory)
+
+
+def verify_files(directory: Path, listed: dict[str, ListedFile], names: list[str]) -> None:
+    """Hash ``names`` (two at a time) and compare with the manifest."""
+
+    def check(name: str) -> None:
+        entry = listed[name]
+        digest = file_digest(directory / name, entry.algorithm)
+        if digest != entry.digest:
+            raise CorruptCheckpointError(directory, name, entry.mismatch(digest))
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-verify") as pool:
+        for future in [pool.submit(check, name) for name in names]:
+            future.result()
+
+
+def load_sharded(
+    info: CheckpointInfo,
+    listed: dict[str, ListedFile],
+    *,
+    groups: Groups | None = None,
+    verified: bool = False,
+) -> CheckpointContents:
+    """Read a sharded checkpoint whose layout verified, on any number of ranks (resharding).
+
+    ``verified``: the DCP shards and rank files were already hashed (by the ranks, each its
+    share); otherwise they are hashed here before DCP reads them.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    directory = info.path
+    if not verified:
+        verify_files(
+            directory,
+            listed,
+            [n for n in listed if n not in (DCP_METADATA_FILE, TRAINER_STATE_FILE, PROBE_FILE)],
+        )
+    metadata = read_dcp_metadata(directory, listed)
+    tensors = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+    }
+    try:
+        with warnings.catch_warnings():
+            # One process reading N ranks' shards is resharding on purpose, not a mistake.
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(
+                tensors,
+                storage_reader=_verified_reader(directory, metadata),
+                process_group=groups.checkpoint if groups else None,
+                no_dist=groups is None,
+            )
+    except Exception as exc:
+        raise CorruptCheckpointError(directory, "__*.distcp", f"does not load: {exc}") from exc
+    name = TRAINER_STATE_FILE
+    try:
+        trainer_state = json.loads(read_verified(directory, listed[name]).numpy().tobytes())
+        name = PROBE_FILE
+        probe, probe_meta = parse_safetensors(read_verified(directory, listed[name]))
+    except (TensorFileError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(directory, name, f"does not load: {exc}") from exc
+    if not isinstance(trainer_state, dict):
+        raise CorruptCheckpointError(directory, TRAINER_STATE_FILE, "is not a JSON object")
+    return CheckpointContents(
+        info=info,
+        model={k[len(MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)},
+        training_tensors={
+            k[len(TRAINING_PREFIX) :]: v
+            for k, v in tensors.items()
+            if k.startswith(TRAINING_PREFIX)
+        },
+        trainer_state=trainer_state,
+        probe=probe,
+        probe_device=probe_meta.get("device", "cpu"),
+        probe_cpu_capability=probe_meta.get("cpu_capability"),
+    )
+
+
+def _describe(exc: BaseException | None) -> str | None:
+    return None if exc is None else f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+
+
+class ShardedCheckpointManager(CheckpointManager):
+    """The checkpoint manager of one rank of a distributed attempt (world size > 1).
+
+    Every rank calls the same methods at the same steps; rank 0 alone talks to the ledger,
+    writes the run-level files and applies retention. Saves are synchronous at this scale:
+    the collective DCP write is the stall (see the README's notes on scale).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config: CheckpointConfig,
+        *,
+        run_id: str,
+        world: World,
+        groups: Groups,
+        ledger: Any = None,
+        on_event: Any = None,
+        on_commit: Any = None,
+    ) -> None:
+        super().__init__(
+            run_dir,
+            config,
+            run_id=run_id,
+            ledger=ledger if world.leader else None,
+            on_event=on_event,
+            on_commit=on_commit,
+        )
+        self.world, self.groups = world, groups
+        # Set by resume: the world size that wrote the checkpoint resumed from, when it differs.
+        self.resharded_from: int | None = None
+
+    def bind_attempt(self, attempt_no: int, fencing_token: int | None) -> None:
+        # Rank 0 began the attempt; every rank names its directories after the same number.
+        attempt_no, fencing_token = self.groups.broadcast(
+            "sharing the attempt number", (attempt_no, fencing_token)
+        )
+        super().bind_attempt(attempt_no, fencing_token)
+
+    def save_async(self, state: TrainingState, *, metrics: dict[str, float] | None = None) -> None:
+        self.save(state, metrics=metrics)
+
+    def _agree(self, what: str, error: BaseException | None) -> None:
+        """All ranks learn whether ``what`` worked everywhere; a rank's own error wins locally."""
+        try:
+            self.groups.agree(what, _describe(error))
+        except PeerRankError:
+            if error is not None:
+                raise error from None
+            raise
+
+    def write_and_commit(self, staged: StagedCheckpoint) -> CheckpointInfo:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        attempt_no = self._require_attempt()
+        directory = self.run_dir / checkpoint_dir_name(staged.step, attempt_no)
+        parent = str(self.last_committed.path) if self.last_committed else None
+        error: BaseException | None = None
+        if self.world.leader:
+            try:
+                if is_committed(directory):
+                    raise CheckpointError(f"checkpoint {directory} is already committed")
+                if directory.exists():
+                    shutil.rmtree(directory)  # this attempt's own half-written leftover
+                make_dir_durably(self.run_dir)
+                directory.mkdir()
+                fsync_dir(self.run_dir)
+                if self.ledger is not None:
+                    self.ledger.checkpoint_writing(
+                        run_id=self.run_id,
+                        attempt_no=attempt_no,
+                        step=staged.step,
+                        path=str(directory),
+                        fencing_token=self._token(),
+                        parent_path=parent,
+                    )
+            except BaseException as exc:
+                error = exc
+        self._agree(f"preparing checkpoint {directory.name}", error)
+
+        try:
+            tensors = {MODEL_PREFIX + k: v for k, v in staged.model.items()}
+            tensors.update({TRAINING_PREFIX + k: v for k, v in staged.training_tensors.items()})
+            dcp.save(
+                tensors,
+                storage_writer=FileSystemWriter(directory, sync_files=True, overwrite=False),
+                process_group=self.groups.checkpoint,
+            )
+            self._write_rank_files(directory, staged)
+        except BaseException as exc:
+            error = exc
+        self._agree(f"writing the shards of {directory.name}", error)
+
+        info_fields: dict[str, Any] | None = None
+        if self.world.leader:
+            ledger_committed = False
+            try:
+                written = self._write_manifest(directory, staged, attempt_no)
+                _fault_sleep_before_commit(staged.step)
+                if self.ledger is not None:
+                    self.ledger.commit_checkpoint(
+                        run_id=self.run_id,
+                        attempt_no=attempt_no,
+                        path=str(directory),
+                        manifest_sha256=written.manifest_sha256,
+                        size_bytes=written.size_bytes,
+                        metrics=written.metrics,
+                        fencing_token=self._token(),
+                        step=staged.step,
+                        parent_path=parent,
+                    )
+                    ledger_committed = True
+                committed = commit_checkpoint_dir(written, fencing_token=self.fencing_token)
+                info_fields = {
+                    "manifest_sha256": written.manifest_sha256,
+                    "committed_at": committed["committed_at"],
+                    "size_bytes": written.size_bytes,
+                }
+            except BaseException as exc:
+                error = exc
+                self._abandon(directory, exc, ledger_committed=ledger_committed)
+        self._agree(f"committing {directory.name}", error)
+        info_fields = self.groups.broadcast("sharing the commit", info_fields)
+        assert info_fields is not None
+        info = CheckpointInfo(
+            path=directory,
+            run_id=self.run_id,
+            attempt_no=attempt_no,
+            step=staged.step,
+            fencing_token=self.fencing_token,
+            metrics=staged.metrics,
+            format=SHARDED_FORMAT,
+            world_size=self.world.world_size,
+            **info_fields,
+        )
+        self.last_committed = info
+        self._committed(info)
+        if self.world.leader:
+            try:
+                self.apply_retention()
+            except Exception as exc:  # the commit stands; a missed clean-up is retried next save
+                self._event("retention_failed", {"path": str(directory), "error": str(exc)})
+        return info
+
+    def _write_rank_files(self, directory: Path, staged: StagedCheckpoint) -> None:
+        """This rank's RNG, then the size and digest of every file this rank wrote."""
+        rank = self.world.rank
+        own = rank_file(rank)
+        body = json.dumps(
+            {"rank": rank, "step": staged.step, "rng": staged.trainer_state.get("rng")},
+            sort_keys=True,
+        ).encode()
+        try:
+            write_file_durably(directory / own, body)
+        except OSError as exc:
+            raise naming_step(exc, directory / own, staged.step) from exc
+        names = [*sorted(p.name for p in directory.glob(f"__{rank}_*.distcp")), own]
+        digests = {
+            name: {
+                "size": (directory / name).stat().st_size,
+                "algorithm": FILE_DIGEST.value,
+                "digest": file_digest(directory / name, FILE_DIGEST),
+            }
+            for name in names
+        }
+        path = directory / digests_file(rank)
+        try:
+            write_file_durably(path, json.dumps(digests, sort_keys=True).encode())
+        except OSError as exc:
+            raise naming_step(exc, path, staged.step) from exc
+
+    def _write_manifest(
+        self, directory: Path, staged: StagedCheckpoint, attempt_no: int
+    ) -> WrittenCheckpoint:
+        files: list[dict[str, Any]] = []
+        for rank in range(self.world.world_size):
+            name = digests_file(rank)
+            raw = (directory / name).read_bytes()
+            for listed_name, entry in json.loads(raw).items():
+                files.append({"name": listed_name, **entry})
+            files.append(
+                {
+                    "name": name,
+                    "size": len(raw),
+                    "algorithm": FILE_DIGEST.value,
+                    "digest": chunks_digest([memoryview(raw)]),
+                }
+            )
+        files.append(
+            {
+                "name": DCP_METADATA_FILE,
+                "size": (directory / DCP_METADATA_FILE).stat().st_size,
+                "algorithm": FILE_DIGEST.value,
+                "digest": file_digest(directory / DCP_METADATA_FILE, FILE_DIGEST),
+            }
+        )
+        contents = serialize_staged(staged)
+        for name in (TRAINER_STATE_FILE, PROBE_FILE):
+            try:
+                size = write_chunks_durably(directory / name, contents[name])
+            except OSError as exc:
+                raise naming_step(exc, directory / name, staged.step) from exc
+            files.append(
+                {
+                    "name": name,
+                    "size": size,
+                    "algorithm": FILE_DIGEST.value,
+                    "digest": chunks_digest(contents[name]),
+                }
+            )
+        manifest = {
+            "format": SHARDED_FORMAT,
+            "world_size": self.world.world_size,
+            "torch_version": torch.__version__,
+            "run_id": self.run_id,
+            "attempt_no": attempt_no,
+            "step": staged.step,
+            "metrics": staged.metrics,
+            "created_at": datetime.now(UTC).isoformat(),
+            "files": sorted(files, key=lambda f: f["name"]),
+        }
+        manifest_bytes = json.dumps(manifest, sort_keys=True, indent=1).encode()
+        try:
+            write_file_durably(directory / MANIFEST_FILE, manifest_bytes)
+            fsync_dir(directory)
+        except OSError as exc:
+            raise naming_step(exc, directory / MANIFEST_FILE, staged.step) from exc
+        return WrittenCheckpoint(
+            path=directory,
+            run_id=self.run_id,
+            attempt_no=attempt_no,
+            step=staged.step,
+            manifest_sha256=sha256_bytes(manifest_bytes),
+            size_bytes=sum(f["size"] for f in files) + len(manifest_bytes),
+            metrics=staged.metrics,
+        )
+
+    # -- resuming -------------------------------------------------------------------------
+
+    def resume(self, state: TrainingState) -> CheckpointInfo | None:
+        """Every rank restores the same checkpoint, or none; rank 0 picks the candidates.
+
+        Each rank hashes its share of the files (verification in parallel across ranks), the
+        ranks agree on the verdict, then load the tensors (resharded by DCP when the world size
+        differs) and each re-runs the probe.
+        """
+        candidates = self.groups.broadcast(
+            "listing committed checkpoints",
+            [str(d) for d in self.committed_dirs()] if self.world.leader else None,
+        )
+        fresh = stage_checkpoint(state, run_id=self.run_id, attempt_no=0)
+        rank, size = self.world.rank, self.world.world_size
+        for candidate in candidates:
+            directory = Path(candidate)
+            error: BaseException | None = None
+            info: CheckpointInfo | None = None
+            listed: dict[str, ListedFile] = {}
+            try:
+                info, listed = _verify_layout(directory)
+                verify_files(directory, listed, sorted(listed)[rank::size])
+            except (CorruptCheckpointError, OSError) as exc:
+                error = exc
+            if not self._candidate_agreed(f"verifying {directory.name}", directory, error):
+                continue
+            assert info is not None
+            contents: CheckpointContents | None = None
+            try:
+                contents = (
+                    load_sharded(info, listed, groups=self.groups, verified=True)
+                    if info.format == SHARDED_FORMAT
+                    else load_checkpoint(directory)
+                )
+            except (CorruptCheckpointError, OSError) as exc:
+                error = exc
+            if not self._candidate_agreed(f"loading {directory.name}", directory, error):
+                continue
+            assert contents is not None
+            if contents.trainer_state.get("config_sha256") != state.config_sha256:
+                self._event(
+                    "checkpoint_skipped",
+                    {"path": str(directory), "why": "written under a different config"},
+                )
+                continue
+            self._check_belongs(contents, state)
+            try:
+                self.restore(state, contents)
+                if info.world_size == size:
+                    self._restore_rank_rng(state, directory, listed)
+            except (CorruptCheckpointError, OSError) as exc:
+                error = exc
+            if not self._candidate_agreed(f"restoring {directory.name}", directory, error):
+                _restore_staged(state, fresh)
+                continue
+            self.last_committed = contents.info
+            self.resharded_from = info.world_size if info.world_size != size else None
+            return contents.info
+        return None
+
+    def _candidate_agreed(self, what: str, directory: Path, error: BaseException | None) -> bool:
+        try:
+            self.groups.agree(what, _describe(error))
+        except PeerRankError as exc:
+            if self.world.leader:
+                cause = error if isinstance(error, Exception) else None
+                self.mark_corrupt(
+                    directory, cause or CorruptCheckpointError(directory, ".", str(exc))
+                )
+            return False
+        return True
+
+    def _restore_rank_rng(
+        self, state: TrainingState, directory: Path, listed: dict[str, ListedFile]
+    ) -> None:
+        """Each rank continues its own random streams (rank 0's are in trainer_state.json)."""
+        name = rank_file(self.world.rank)
+        if self.world.leader or name not in listed:
+            return
+        try:
+            saved = json.loads(read_verified(directory, listed[name]).numpy().tobytes())
+            if saved.get("rng") is not None:
+                state.rng.load_state_dict(decode_state(saved["rng"], {}))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptCheckpointError(directory, name, f"does not restore: {exc}") from exc
+
+    def reconcile_with_ledger(
+        self, state: TrainingState, resumed: CheckpointInfo | None
+    ) -> CheckpointInfo | None:
+        """As for one process, but the ranks decide together whether to resume again."""
+        again = False
+        if self.world.leader and self.ledger is not None:
+            latest = self.ledger.latest_committed_checkpoint(self.run_id)
+            again = latest is not None and (
+                resumed is None
+                or (latest.step, latest.attempt_no) > (resumed.step, resumed.attempt_no)
+            )
+            if again and latest is not None and not is_committed(Path(latest.path)):
+                self.mark_corrupt(
+                    Path(latest.path),
+                    CheckpointError(
+                        f"the ledger recorded checkpoint {latest.path} as committed but it has "
+                        f"no COMMITTED: attempt {latest.attempt_no} stopped between the two"
+                    ),
+                )
+        if not self.groups.broadcast("reconciling with the ledger", again):
+            return resumed
+        return self.resume(state)

@@ -1,0 +1,314 @@
+"""``python -m pipeline.distributed.launch --nproc-per-node N -- <trainer arguments>``.
+
+Runs ``python -m pipeline.trainer <trainer arguments>`` as N ranks per node under torchrun's
+elastic agent, and keeps the trainer's contract at any world size:
+
+- ``max_restarts=0``: a restart inside torchrun would reuse the attempt's fencing token;
+  retries belong to the resume sensor, under a new attempt.
+- Exit code: the trainer's own when every rank agrees (75 when all saved on SIGTERM), else the
+  first failed rank's (a rank killed by a signal gives 128 + the signal, as a shell would).
+- SIGTERM/SIGINT reach every rank (torchrun forwards them, and the orchestrator signals the
+  process group); the ranks agree on the step to stop at and save together.
+- Each rank writes its outcome to ``<log dir>/outcome-<rank>.json``; the launcher reads them
+  all and writes the first failure as JSON where Kubernetes reads a container's termination
+  message (``$TRACKS_TERMINATION_LOG``, default ``/dev/termination-log`` when it exists).
+- The log stays line-atomic: only global rank 0 writes to this process's stdout/stderr; the
+  other ranks' output goes to a file each under the log directory.
+
+Multi-node: torchrun's ``PET_NNODES``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR`` and
+``PET_MASTER_PORT`` (set by Kubeflow Trainer, or by an Indexed Job) select static rendezvous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.trainer import exit_codes
+
+OUTCOME_DIR_ENV = "TRACKS_RANK_OUTCOME_DIR"
+LAUNCHER_PID_ENV = "TRACKS_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+TERMINATION_LOG_ENV = "TRACKS_TERMINATION_LOG"
+_K8S_TERMINATION_LOG = Path("/dev/termination-log")
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank ended: what it wrote itself, or what the agent saw (a signal, no words)."""
+
+    rank: int
+    exit_code: int
+    reason: str | None
+    detail: str
+    step: int | None
+    ended_at: float  # seconds since the epoch; orders the failures
+    attempt_no: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "exit_code": self.exit_code,
+            "reason": self.reason,
+            "detail": self.detail,
+            "step": self.step,
+        }
+
+
+def die_with_launcher() -> None:
+    """Make this rank die when the launcher does (Linux), as a container's processes would.
+
+    torchrun starts each rank in a session of its own, so a launcher killed outright (SIGKILL
+    after the grace period) would otherwise leave its ranks training with nobody watching.
+    """
+    expected = os.environ.get(LAUNCHER_PID_ENV)
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if str(os.getppid()) != expected:  # the launcher died before prctl took effect
+        os._exit(128 + int(signal.SIGKILL))
+
+
+def write_rank_outcome(
+    rank: int,
+    *,
+    exit_code: int,
+    reason: str,
+    detail: str,
+    step: int | None,
+    attempt_no: int | None = None,
+) -> None:
+    """Called by each rank on its way out, when launched by this module."""
+    directory = os.environ.get(OUTCOME_DIR_ENV)
+    if not directory:
+        return
+    from pipeline.durable import replace_atomically
+
+    payload = {
+        "rank": rank,
+        "exit_code": exit_code,
+        "reason": reason,
+        "detail": detail,
+        "step": step,
+        "attempt_no": attempt_no,
+        "ended_at": time.time(),
+    }
+    replace_atomically(Path(directory) / f"outcome-{rank}.json", json.dumps(payload).encode())
+
+
+def read_outcomes(directory: Path, world_size: int, failures: dict[int, Any]) -> list[RankOutcome]:
+    """Every rank's outcome: its own file, else the agent's record of its death."""
+    outcomes = []
+    for rank in range(world_size):
+        path = directory / f"outcome-{rank}.json"
+        failure = failures.get(rank)
+        try:
+            data = json.loads(path.read_text())
+            outcomes.append(
+                RankOutcome(
+                    rank=rank,
+                    exit_code=int(data["exit_code"]),
+                    reason=data.get("reason"),
+                    detail=str(data.get("detail", "")),
+                    step=data.get("step"),
+                    ended_at=float(data.get("ended_at", 0.0)),
+                    attempt_no=data.get("attempt_no"),
+                )
+            )
+            continue
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if failure is None:
+            # Rank on another node, or one that ended cleanly without a word (not ours).
+            continue
+        code = int(failure.exitcode)
+        signal_name = failure.signal_name() if code < 0 else ""
+        outcomes.append(
+            RankOutcome(
+                rank=rank,
+                exit_code=128 - code if code < 0 else code,
+                reason=None,
+                detail=(
+                    f"rank {rank} was killed by {signal_name} without last words"
+                    if code < 0
+                    else f"rank {rank} exited {code} without last words"
+                ),
+                step=None,
+                ended_at=float(failure.timestamp),
+            )
+        )
+    return outcomes
+
+
+def decide_exit(outcomes: list[RankOutcome]) -> tuple[int, RankOutcome | None]:
+    """The launcher's exit code, and the rank whose failure explains it (None: all succeeded)."""
+    failed = [o for o in outcomes if o.exit_code != exit_codes.SUCCEEDED]
+    if not failed:
+        return exit_codes.SUCCEEDED, None
+    codes = {o.exit_code for o in failed}
+    if len(codes) == 1 and len(failed) == len(outcomes):
+        return failed[0].exit_code, min(failed, key=lambda o: (o.ended_at, o.rank))
+    # A rank that died, or failed on its own, explains the collateral ones (whose collectives
+    # broke, exit INFRA_TRANSIENT): the first such failure is the attempt's story.
+    collateral = exit_codes.INFRA_TRANSIENT
+    causes = [o for o in failed if o.exit_code != collateral] or failed
+    first = min(causes, key=lambda o: (o.ended_at, o.rank))
+    return first.exit_code, first
+
+
+def write_termination_message(first: RankOutcome | None, exit_code: int, world_size: int) -> None:
+    """Kubernetes shows this file's content as the container's termination message."""
+    target = os.environ.get(TERMINATION_LOG_ENV)
+    path = Path(target) if target else _K8S_TERMINATION_LOG
+    if not target and not path.exists():
+        return
+    message = {"exit_code": exit_code, "world_size": world_size}
+    if first is not None:
+        message.update(first.as_dict())
+    reason = exit_codes.REASON_BY_EXIT_CODE.get(exit_code)
+    message["reason"] = message.get("reason") or (str(reason) if reason else None)
+    try:
+        path.write_text(json.dumps(message, sort_keys=True)[:4000])  # the kubelet keeps 4 KiB
+    except OSError as exc:
+        print(f"pipeline.distributed.launch: cannot write {path}: {exc}", file=sys.stderr)
+
+
+def ranks_summary_path(store: str | Path, run_id: str, attempt_no: int) -> Path:
+    """``<store>/<run_id>/attempt-<n>.ranks.json``: every rank's ending and the first failure."""
+    from pipeline import ids
+    from pipeline.checkpoint.layout import run_dir
+
+    return run_dir(store, run_id) / f"attempt-{ids.attempt_no(attempt_no)}.ranks.json"
+
+
+def write_ranks_summary(
+    trainer_args: list[str],
+    outcomes: list[RankOutcome],
+    exit_code: int,
+    first: RankOutcome | None,
+    world_size: int,
+) -> Path | None:
+    """Beside the last words, so the attempt's receipt names the rank that failed first."""
+    trainer = argparse.ArgumentParser(add_help=False)
+    trainer.add_argument("--store")
+    trainer.add_argument("--run-id")
+    trainer.add_argument("--attempt-no", type=int)
+    known, _ = trainer.parse_known_args(trainer_args)
+    numbers = {o.attempt_no for o in outcomes if o.attempt_no is not None}
+    attempt_no = known.attempt_no or (numbers.pop() if len(numbers) == 1 else None)
+    if not (known.store and known.run_id and attempt_no):
+        return None
+    from pipeline.durable import replace_atomically
+
+    path = ranks_summary_path(known.store, known.run_id, attempt_no)
+    summary = {
+        "world_size": world_size,
+        "exit_code": exit_code,
+        "first_failure": first.as_dict() if first else None,
+        "ranks": [o.as_dict() for o in sorted(outcomes, key=lambda o: o.rank)],
+    }
+    replace_atomically(path, json.dumps(summary, indent=1, sort_keys=True).encode())
+    return path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.distributed.launch",
+        description="Run the trainer as N ranks per node under torchrun.",
+    )
+    parser.add_argument("--nproc-per-node", type=int, default=None, help="ranks on this node")
+    parser.add_argument("--log-dir", help="where ranks' outcomes and non-zero ranks' logs go")
+    parser.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then trainer args")
+    args = parser.parse_args(argv)
+    if args.trainer_args and args.trainer_args[0] == "--":
+        args.trainer_args = args.trainer_args[1:]
+    env = os.environ
+    args.nproc_per_node = args.nproc_per_node or int(env.get("PET_NPROC_PER_NODE", "1"))
+    if args.nproc_per_node < 1:
+        parser.error("--nproc-per-node must be at least 1")
+    return args
+
+
+def _launch_config(nproc: int, log_dir: Path) -> Any:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    env = os.environ
+    nnodes = int(env.get("PET_NNODES", "1"))
+    node_rank = int(env.get("PET_NODE_RANK", "0"))
+    # Only global rank 0 keeps this process's stdout: its lines carry the Pipes messages.
+    redirects = {r: Std.ALL for r in range(nproc) if node_rank > 0 or r > 0}
+    logs = DefaultLogsSpecs(log_dir=str(log_dir / "ranks"), redirects=redirects)
+    if nnodes == 1 and "PET_MASTER_ADDR" not in env:
+        rdzv = {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0", "rdzv_configs": {}}
+    else:
+        endpoint = f"{env['PET_MASTER_ADDR']}:{env.get('PET_MASTER_PORT', '29500')}"
+        rdzv = {"rdzv_backend": "static", "rdzv_endpoint": endpoint}
+        rdzv["rdzv_configs"] = {"rank": node_rank}
+    return LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        logs_specs=logs,
+        run_id=env.get("PET_RDZV_ID") or f"tracks-{uuid.uuid4().hex[:12]}",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        **rdzv,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tracks-ranks-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    outcome_dir = log_dir / "outcomes"
+    outcome_dir.mkdir(exist_ok=True)
+    os.environ[OUTCOME_DIR_ENV] = str(outcome_dir)  # inherited by every rank
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the agent runs in this process
+    config = _launch_config(args.nproc_per_node, log_dir)
+    world_size = config.max_nodes * args.nproc_per_node
+    failures: dict[int, Any] = {}
+    try:
+        elastic_launch(config, sys.executable)("-m", "pipeline.trainer", *args.trainer_args)
+    except ChildFailedError as exc:
+        failures = dict(exc.failures)
+    except SignalException as exc:
+        # The agent forwarded the signal and waited for the ranks: they speak for themselves.
+        print(f"pipeline.distributed.launch: {exc}", file=sys.stderr)
+    outcomes = read_outcomes(outcome_dir, world_size, failures)
+    code, first = decide_exit(outcomes)
+    if first is None and len(outcomes) < args.nproc_per_node:
+        code = exit_codes.INFRA_TRANSIENT  # a local rank said nothing: never report success
+    write_termination_message(first, code, world_size)
+    try:
+        write_ranks_summary(args.trainer_args, outcomes, code, first, world_size)
+    except (OSError, ValueError) as exc:
+        print(f"pipeline.distributed.launch: no ranks summary: {exc}", file=sys.stderr)
+    if first is not None:
+        print(
+            f"pipeline.distributed.launch: rank {first.rank} failed first "
+            f"(exit {first.exit_code}): {first.detail}",
+            file=sys.stderr,
+        )
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Two ranks under torchrun (gloo, CPU): sharded checkpoints under the commit protocol.
+
+Real processes and real signals: ``python -m pipeline.distributed.launch`` runs the trainer as
+two ranks; the drill SIGKILLs one rank at seeded random moments (inside checkpoint writes too)
+and SIGTERMs all of them, resumes each time in new processes, and compares the final weights
+with an uninterrupted two-rank run, bit for bit. Resharding (2 ranks → 1, 1 → 2) is checked to
+restore, finish, and be recorded on the attempt's receipt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.kill_drill import make_snapshot
+from bench.kill_drill import write_config as write_drill_config
+from pipeline.checkpoint import (
+    CorruptCheckpointError,
+    checkpoint_dirs,
+    load_checkpoint,
+    verify_checkpoint,
+)
+from pipeline.checkpoint.layout import COMMITTED_FILE, DCP_METADATA_FILE, MANIFEST_FILE
+from pipeline.digests import FILE_DIGEST, file_digest, sha256_bytes
+from pipeline.distributed.launch import RankOutcome, decide_exit
+from pipeline.trainer import exit_codes
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_STEPS = 300
+INTERVAL = 2
+KILLS = 20
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("distributed")
+
+
+@pytest.fixture(scope="module")
+def config(workdir: Path) -> Path:
+    snapshot = make_snapshot(workdir / "data")
+    return write_drill_config(
+        workdir / "config",
+        snapshot,
+        max_steps=MAX_STEPS,
+        checkpoint_every_steps=INTERVAL,
+        keep_last_k=2,
+    )
+
+
+def _launch(
+    config: Path,
+    store: Path,
+    run_id: str,
+    *,
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+) -> subprocess.Popen:
+    trainer = ["--config", str(config), "--run-id", run_id, "--store", str(store)]
+    if nproc == 1:
+        command = [sys.executable, "-m", "pipeline.trainer", *trainer]
+    else:
+        logs = store / "launch-logs" / f"{run_id}-{time.monotonic_ns()}"
+        command = [
+            sys.executable, "-m", "pipeline.distributed.launch",
+            "--nproc-per-node", str(nproc), "--log-dir", str(logs), "--", *trainer,
+        ]  # fmt: skip
+    log = log or store / f"{run_id}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _finish(process: subprocess.Popen, timeout: float = 120) -> int:
+    return process.wait(timeout=timeout)
+
+
+def _final_weights(store: Path, run_id: str) -> dict[str, torch.Tensor]:
+    newest = checkpoint_dirs(store / run_id)[0]
+    contents = load_checkpoint(newest)
+    assert contents.info.step == MAX_STEPS
+    return {**contents.model, **{f"opt/{k}": v for k, v in contents.training_tensors.items()}}
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"not bit-exact: {different[:5]}"
+
+
+def _wait_for(path: Path, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{text!r} never appeared in {path}:\n{path.read_text()[-3000:]}")
+
+
+def _count(path: Path, text: str) -> int:
+    return path.read_text(errors="replace").count(text) if path.exists() else 0
+
+
+def _wait_for_count(path: Path, text: str, count: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _count(path, text) >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{text!r} did not appear {count} times in {path}")
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: ppid
+    return False
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    """The trainer ranks under a launcher, by RANK (read from each process's environment)."""
+    ranks: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if not _descends_from(int(entry.name), launcher_pid):
+                continue
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"pipeline.trainer" not in cmdline:
+                continue
+            environ = dict(
+                item.split(b"=", 1)
+                for item in (entry / "environ").read_bytes().split(b"\0")
+                if b"=" in item
+            )
+        except (OSError, ProcessLookupError):
+            continue
+        if b"RANK" in environ:
+            ranks[int(environ[b"RANK"])] = int(entry.name)
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def reference(workdir: Path, config: Path) -> dict[str, torch.Tensor]:
+    store = workdir / "reference"
+    assert _finish(_launch(config, store, "ref")) == 0, (store / "ref.log").read_text()[-3000:]
+    return _final_weights(store, "ref")
+
+
+def _all_committed_verify(run_dir: Path) -> int:
+    dirs = checkpoint_dirs(run_dir)
+    for directory in dirs:
+        verify_checkpoint(directory)
+    return len(dirs)
+
+
+@pytest.mark.slow
+def test_kill_one_rank_at_random_moments_then_sigterm_all(
+    workdir: Path, config: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    store, run_id = workdir / "drill", "drill"
+    rng = random.Random(0)
+    log = store / "drill.log"
+    kills = 0
+    for kill in range(KILLS):
+        # Every third kill lands between MANIFEST.json and COMMITTED (inside a write).
+        env = {}
+        if kill % 3 == 2:
+            env["TRACKS_FAULT_SLEEP_BEFORE_COMMIT"] = "5"
+        started = _count(log, '"attempt_started"')
+        process = _launch(config, store, run_id, env=env, log=log)
+        _wait_for_count(log, '"attempt_started"', started + 1)
+        time.sleep(rng.uniform(0.0, 0.4))
+        ranks = _rank_pids(process.pid)
+        victim = rng.choice(sorted(ranks)) if ranks else None
+        if victim is not None:
+            try:
+                os.kill(ranks[victim], signal.SIGKILL)
+                kills += 1
+            except ProcessLookupError:
+                pass
+        code = _finish(process)
+        if code == exit_codes.SUCCEEDED:
+            break  # the run finished before the kill landed
+        assert code in (128 + signal.SIGKILL, exit_codes.INFRA_TRANSIENT), (code, kill)
+        # Nothing without COMMITTED is ever read; everything with it verifies.
+        _all_committed_verify(store / run_id)
+    assert kills >= KILLS - 2, f"only {kills} kills landed"
+
+    # SIGTERM every rank (through the launcher): they agree on a step, save, and exit 75.
+    started = _count(log, '"attempt_started"')
+    process = _launch(config, store, run_id, env={"TRACKS_FAULT_SLEEP_AFTER_STEP": "60"}, log=log)
+    _wait_for_count(log, '"attempt_started"', started + 1)
+    os.kill(process.pid, signal.SIGTERM)
+    code = _finish(process)
+    if code != exit_codes.SUCCEEDED:
+        assert code == exit_codes.PREEMPTED, log.read_text()[-3000:]
+    assert _finish(_launch(config, store, run_id, log=log)) == 0, log.read_text()[-3000:]
+    _all_committed_verify(store / run_id)
+    _assert_equal(_final_weights(store, run_id), reference)
+
+
+@pytest.mark.slow
+def test_reshard_two_ranks_to_one_and_one_to_two(workdir: Path, config: Path) -> None:
+    from pipeline.ledger import Ledger
+
+    store = workdir / "reshard"
+    ledger_url = f"sqlite:///{workdir / 'reshard-ledger.db'}"
+    env = {"TRACKS_LEDGER_URL": ledger_url}
+    for run_id, first, second in (("two-to-one", 2, 1), ("one-to-two", 1, 2)):
+        stop_at = {**env, "TRACKS_FAULT_SLEEP_AFTER_STEP": "60@10"}
+        log = store / f"{run_id}.log"
+        process = _launch(config, store, run_id, nproc=first, env=stop_at, log=log)
+        _wait_for(log, '"step": 10,')
+        os.killpg(process.pid, signal.SIGTERM)
+        assert _finish(process) == exit_codes.PREEMPTED, log.read_text()[-3000:]
+        assert _finish(_launch(config, store, run_id, nproc=second, env=env, log=log)) == 0, (
+            log.read_text()[-3000:]
+        )
+        ledger = Ledger.open(ledger_url)
+        resumed = ledger.get_attempt(run_id, 2)
+        assert resumed.placement["world_size"] == second
+        assert resumed.placement["resharded_from"] == first, resumed.placement
+        assert resumed.resumed_from_checkpoint.endswith("step-0000000010-a01")
+        assert '"resharded"' in log.read_text()
+        final = load_checkpoint(checkpoint_dirs(store / run_id)[0])
+        assert final.info.step == MAX_STEPS and final.info.world_size == second
+        assert all(torch.isfinite(t).all() for t in final.model.values())
+
+
+def _resign(directory: Path, name: str) -> None:
+    """Make a tampered file look legitimately committed (an attacker with write access)."""
+    manifest = json.loads((directory / MANIFEST_FILE).read_bytes())
+    for entry in manifest["files"]:
+        if entry["name"] == name:
+            entry.update(
+                size=(directory / name).stat().st_size,
+                algorithm=FILE_DIGEST.value,
+                digest=file_digest(directory / name, FILE_DIGEST),
+            )
+    raw = json.dumps(manifest, sort_keys=True, indent=1).encode()
+    (directory / MANIFEST_FILE).write_bytes(raw)
+    committed = json.loads((directory / COMMITTED_FILE).read_bytes())
+    committed["manifest_sha256"] = sha256_bytes(raw)
+    (directory / COMMITTED_FILE).write_text(json.dumps(committed))
+
+
+class _Payload:
+    def __reduce__(self) -> tuple:
+        return (os.system, ("touch /tmp/tracks-dcp-metadata-pwned",))
+
+
+@pytest.mark.slow
+def test_dcp_metadata_is_read_only_through_the_allow_list(
+    workdir: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    import shutil
+
+    source = checkpoint_dirs(workdir / "reference" / "ref")[0]
+    directory = workdir / "tampered" / "ref" / source.name
+    shutil.copytree(source, directory)
+    load_checkpoint(directory)  # the copy is sound before tampering
+
+    # Changed without re-signing: the digest catches it before anything is unpickled.
+    (directory / DCP_METADATA_FILE).write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata"):
+        load_checkpoint(directory)
+    # Re-signed by an attacker: the allow-list refuses os.system before it is called.
+    _resign(directory, DCP_METADATA_FILE)
+    marker = Path("/tmp/tracks-dcp-metadata-pwned")
+    marker.unlink(missing_ok=True)
+    with pytest.raises(CorruptCheckpointError, match="allow-list"):
+        load_checkpoint(directory)
+    assert not marker.exists()
+
+
+def test_launcher_names_the_first_failed_rank_not_the_collateral() -> None:
+    killed = RankOutcome(1, 128 + 9, None, "rank 1 was killed by SIGKILL", None, 10.0)
+    collateral = RankOutcome(0, exit_codes.INFRA_TRANSIENT, "infra_transient", "peer gone", 3, 9.0)
+    assert decide_exit([collateral, killed]) == (128 + 9, killed)
+    saved = [
+        RankOutcome(r, exit_codes.PREEMPTED, "preempted", "saved", 12, 5.0 + r) for r in (0, 1)
+    ]
+    assert decide_exit(saved) == (exit_codes.PREEMPTED, saved[0])
+    ok = [RankOutcome(r, 0, "succeeded", "", 40, 1.0) for r in (0, 1)]
+    assert decide_exit(ok) == (0, None)
