@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml requirements.lock | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# `make demo NPROC=2` trains as two ranks under torchrun (gloo on CPU).
+NPROC ?= 1
 demo: install
-	$(BIN)/tracks demo
+	$(BIN)/tracks demo --nproc-per-node $(NPROC)
 
 lint: install
 	$(BIN)/ruff check .

@@ -143,6 +143,10 @@ def training_attempt(
     except DataError as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
     try:
+        trainer.world()  # a bad backend or rank count is refused before an attempt is opened
+    except ValueError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+    try:
         train_config = TrainConfig.from_dict(
             _config_for_attempt(book, config, snapshot), source="run config of training_attempt"
         )
@@ -176,6 +180,8 @@ def training_attempt(
             prepared.trainer_args(storage.checkpoints()),
             env=prepared.trainer_env(book.url, mlflow.tracking_uri, mlflow.artifact_root),
             extras={"run_id": run.run_id, "attempt_no": attempt.attempt_no},
+            # torchrun: each rank's outcome, and the output of ranks other than 0, kept here.
+            log_dir=str(storage.work_dir("ranks", run.run_id, f"attempt-{attempt.attempt_no}")),
         )
     except DagsterExecutionInterruptedError:
         interrupted = True  # a person terminated the Dagster run

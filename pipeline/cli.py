@@ -176,7 +176,14 @@ def _write_instance_yaml(home: Path, *, postgres: bool) -> None:
 @click.option(
     "--fresh-data/--reuse-data", default=False, help="Rewrite the landing file even if one exists."
 )
-def demo(fresh_data: bool) -> None:
+@click.option(
+    "--nproc-per-node",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Train as this many ranks under torchrun (gloo on CPU); 1 runs one process.",
+)
+def demo(fresh_data: bool, nproc_per_node: int) -> None:
     """Land the digits, then snapshot → train → checkpoint → evaluate → promote, in Dagster."""
     import dagster as dg
 
@@ -195,8 +202,16 @@ def demo(fresh_data: bool) -> None:
     from sensors import materialize_snapshot
 
     with dg.DagsterInstance.get() as dagster_instance:
+        run_config: dict = {}
+        if nproc_per_node > 1:
+            trainer = {"backend": "torchrun", "nproc_per_node": nproc_per_node}
+            run_config = {"resources": {"trainer": {"config": trainer}}}
         result = materialize_snapshot(
-            defs, dagster_instance, snapshot, tags={"tracks/launched_by": "cli:tracks demo"}
+            defs,
+            dagster_instance,
+            snapshot,
+            run_config=run_config,
+            tags={"tracks/launched_by": "cli:tracks demo"},
         )
         if not result.success:
             for event in result.all_events:

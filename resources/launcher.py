@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import dagster as dg
@@ -108,14 +109,56 @@ class TrainerPipesClient(dg.PipesClient):
             pass
 
 
+class TrainerBackend(StrEnum):
+    """Where the trainer's processes run."""
+
+    LOCAL = "local"  # one process, a subprocess of the step
+    TORCHRUN = "torchrun"  # nproc_per_node ranks on this machine, under torchrun's agent
+
+
 class TrainerLauncherResource(dg.ConfigurableResource):
-    """Where and how the trainer runs. Locally: a subprocess of the step, via Pipes."""
+    """Where and how the trainer runs: a subprocess of the step, or N ranks under torchrun.
+
+    Chosen per run in the run config (``resources: trainer: config: {backend: torchrun,
+    nproc_per_node: 2}``); nothing else about the assets changes. The Kubernetes backend is
+    :class:`resources.kube_pipes.TrainJobPipesClient` (see docs/kubernetes.md).
+    """
 
     python_executable: str = sys.executable
     termination_grace_seconds: float = 30.0
+    backend: str = TrainerBackend.LOCAL.value
+    nproc_per_node: int = 1
 
-    def trainer_command(self, *args: str) -> list[str]:
-        return [self.python_executable, "-m", "pipeline.trainer", *args]
+    def world(self) -> tuple[TrainerBackend, int]:
+        """The backend and the number of ranks, checked (a clear error for a bad run config)."""
+        try:
+            backend = TrainerBackend(self.backend)
+        except ValueError:
+            choices = ", ".join(b.value for b in TrainerBackend)
+            raise ValueError(
+                f"resources.trainer.config.backend is {self.backend!r}; choose one of {choices}"
+            ) from None
+        if not 1 <= self.nproc_per_node <= 64:
+            raise ValueError(
+                f"resources.trainer.config.nproc_per_node is {self.nproc_per_node}; "
+                "it must be between 1 and 64"
+            )
+        if backend is TrainerBackend.LOCAL and self.nproc_per_node != 1:
+            raise ValueError(
+                "resources.trainer.config.nproc_per_node > 1 needs backend: torchrun "
+                "(the local backend runs one process)"
+            )
+        return backend, self.nproc_per_node
+
+    def trainer_command(self, *args: str, log_dir: str | None = None) -> list[str]:
+        backend, nproc = self.world()
+        if backend is TrainerBackend.LOCAL:
+            return [self.python_executable, "-m", "pipeline.trainer", *args]
+        launch = [self.python_executable, "-m", "pipeline.distributed.launch"]
+        launch += ["--nproc-per-node", str(nproc)]
+        if log_dir:
+            launch += ["--log-dir", log_dir]
+        return [*launch, "--", *args]
 
     def launch(
         self,
@@ -124,8 +167,12 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         *,
         env: Mapping[str, str] | None = None,
         extras: Mapping[str, Any] | None = None,
+        log_dir: str | None = None,
     ) -> tuple[dg.PipesClientCompletedInvocation, TrainerExit]:
         client = TrainerPipesClient(self.termination_grace_seconds)
         return client.run(
-            context=context, command=self.trainer_command(*args), env=env, extras=extras
+            context=context,
+            command=self.trainer_command(*args, log_dir=log_dir),
+            env=env,
+            extras=extras,
         )

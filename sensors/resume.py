@@ -123,7 +123,7 @@ def _request_for(
         run_key=run_key,
         partition_key=c.run.snapshot_id,
         asset_selection=CONTINUATION_ASSETS,
-        run_config={"ops": {"training_attempt": {"config": {"run_id": c.run.run_id}}}},
+        run_config=_continuation_config(c),
         tags={
             CONTINUATION_TAG: c.run_key,
             "tracks/run_id": c.run.run_id,
@@ -133,3 +133,14 @@ def _request_for(
             "tracks/launched_by": "sensor:resume_after_preemption",
         },
     )
+
+
+def _continuation_config(c: Any) -> dict[str, Any]:
+    """Continue the run as it ran: N ranks under torchrun when the last attempt had N."""
+    config: dict[str, Any] = {"ops": {"training_attempt": {"config": {"run_id": c.run.run_id}}}}
+    placement = c.ended.placement or {}
+    ranks_per_node = int(placement.get("ranks_per_node") or 1)
+    if int(placement.get("nodes") or 1) == 1 and ranks_per_node > 1:
+        trainer = {"backend": "torchrun", "nproc_per_node": ranks_per_node}
+        config["resources"] = {"trainer": {"config": trainer}}
+    return config

@@ -298,3 +298,19 @@ def test_nightly_retrain_picks_the_newest_snapshot_that_passed_its_checks(
     assert request.partition_key == good
     assert request.run_key == "nightly:2026-11-22T03:00"
     assert request.run_config["ops"]["training_attempt"]["config"]["purpose"] == "scheduled"
+
+
+def test_a_continuation_runs_with_as_many_ranks_as_the_attempt_it_continues() -> None:
+    from types import SimpleNamespace
+
+    from sensors.resume import _continuation_config
+
+    def continuation(placement: dict) -> SimpleNamespace:
+        return SimpleNamespace(
+            run=SimpleNamespace(run_id="run-1"), ended=SimpleNamespace(placement=placement)
+        )
+
+    one = _continuation_config(continuation({"world_size": 1}))
+    assert one == {"ops": {"training_attempt": {"config": {"run_id": "run-1"}}}}
+    two = _continuation_config(continuation({"world_size": 2, "ranks_per_node": 2, "nodes": 1}))
+    assert two["resources"] == {"trainer": {"config": {"backend": "torchrun", "nproc_per_node": 2}}}

@@ -116,6 +116,10 @@ def promote(
     if not decision.passed:
         return ledger.record_promotion(record)
 
+    from pipeline.serving.champion import export_sharded_weights, serving_manifest
+
+    # A checkpoint written by N ranks is served from one consolidated, hashed weights file.
+    exported = export_sharded_weights(checkpoint.path, settings.work_root / "exports")
     if champion is not None and champion_sha == checkpoint.manifest_sha256:
         existing = _promotion_for_version(ledger, model_name, str(champion.version))
         if existing is not None:
@@ -123,10 +127,10 @@ def promote(
         version, previous = str(champion.version), champion.tags.get("previous_champion_version")
     else:
         evaluations = dict(decision.details["evaluations"])
-        version = _register(client, settings, model_name, checkpoint, record, evaluations, decision)
+        version = _register(
+            client, settings, model_name, checkpoint, record, evaluations, decision, exported
+        )
         client.set_registered_model_alias(model_name, CHAMPION_ALIAS, version)
-
-    from pipeline.serving.champion import serving_manifest
 
     return ledger.record_promotion(
         dataclasses.replace(
@@ -136,7 +140,9 @@ def promote(
             previous_champion_version=previous,
             decided_at=utcnow(),
             # What serving verifies before it loads a byte of this version.
-            serving_manifest=serving_manifest(checkpoint.path, checkpoint.manifest_sha256),
+            serving_manifest=serving_manifest(
+                checkpoint.path, checkpoint.manifest_sha256, exported_weights=exported
+            ),
         )
     )
 
@@ -202,6 +208,7 @@ def _register(
     record: PromotionRecord,
     evaluations: dict[str, str],
     decision: GateDecision,
+    exported_weights: Path | None = None,
 ) -> str:
     """Log the checkpoint as a models-from-code pyfunc and register a tagged model version."""
     import mlflow
@@ -241,7 +248,7 @@ def _register(
                 name="model",
                 python_model=str(MODEL_CODE_PATH),
                 artifacts={
-                    "weights": str(checkpoint.weights_path),
+                    "weights": str(exported_weights or checkpoint.weights_path),
                     "trainer_state": str(checkpoint.trainer_state_path),
                 },
                 pip_requirements=_pip_requirements(),

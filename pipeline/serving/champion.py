@@ -64,18 +64,35 @@ class ServedModel:
             return self.model(images).argmax(dim=1).numpy().astype(np.int64)
 
 
-def serving_manifest(checkpoint_dir: str | Path, checkpoint_manifest_sha256: str) -> dict[str, Any]:
+def serving_manifest(
+    checkpoint_dir: str | Path,
+    checkpoint_manifest_sha256: str,
+    *,
+    exported_weights: Path | None = None,
+) -> dict[str, Any]:
     """What promotion records for serving: each served file's size and digest (with algorithm).
 
     Taken from the checkpoint's verified ``MANIFEST.json``, so the bytes vouched for are the
-    bytes training committed.
+    bytes training committed. A sharded checkpoint has no single weights file: its weights are
+    served from ``exported_weights`` (:func:`export_sharded_weights`), hashed here.
     """
     import json
+
+    from pipeline.digests import FILE_DIGEST, file_digest
 
     manifest = json.loads((Path(checkpoint_dir) / "MANIFEST.json").read_bytes())
     listed = {entry["name"]: entry for entry in manifest["files"]}
     files = {}
     for key, name in SERVED_ARTIFACTS.items():
+        if key == "weights" and exported_weights is not None:
+            files[key] = {
+                "name": name,
+                "bytes": exported_weights.stat().st_size,
+                "algorithm": FILE_DIGEST.value,
+                "digest": file_digest(exported_weights, FILE_DIGEST),
+                "exported_from": manifest.get("format"),
+            }
+            continue
         entry = listed[name]
         algorithm, digest = recorded_digest(entry)
         files[key] = {
@@ -85,6 +102,34 @@ def serving_manifest(checkpoint_dir: str | Path, checkpoint_manifest_sha256: str
             "digest": digest,
         }
     return {"checkpoint_manifest_sha256": checkpoint_manifest_sha256, "files": files}
+
+
+def export_sharded_weights(checkpoint_dir: str | Path, export_root: Path) -> Path | None:
+    """One ``model.safetensors`` built from a sharded checkpoint's verified shards, or None.
+
+    Serving loads one weights file; a checkpoint written by N ranks holds its tensors in DCP
+    shards, so promotion consolidates them (after full verification) into
+    ``<export_root>/<manifest sha256>/model.safetensors``, written durably.
+    """
+    import safetensors.torch
+
+    from pipeline.checkpoint import load_checkpoint
+    from pipeline.checkpoint.layout import SHARDED_FORMAT
+    from pipeline.durable import fsync_dir, fsync_file
+
+    contents = load_checkpoint(checkpoint_dir)
+    if contents.info.format != SHARDED_FORMAT:
+        return None
+    target = Path(export_root) / contents.info.manifest_sha256
+    target.mkdir(parents=True, exist_ok=True)
+    path = target / SERVED_ARTIFACTS["weights"]
+    partial = target / f".{path.name}.partial"
+    tensors = {name: tensor.contiguous() for name, tensor in contents.model.items()}
+    safetensors.torch.save_file(tensors, str(partial), metadata={"format": "pt"})
+    fsync_file(partial)
+    partial.replace(path)
+    fsync_dir(target)
+    return path
 
 
 def load_champion(
