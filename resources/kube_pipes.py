@@ -1,0 +1,458 @@
+"""Launches the distributed trainer on Kubernetes through Dagster Pipes, talking to rank 0 only.
+
+Modelled on dagster-k8s's ``PipesK8sClient`` (which launches exactly one pod) and dagster-ray's
+``PipesKubeRayJobClient``: open a Pipes session, put its bootstrap variables into the trainer's
+environment, create a ``TrainJob`` / ``JobSet`` / Indexed ``Job`` + ``Service``, find the rank-0
+pod by label, read Pipes messages from its log, wait for it to end, and turn that end into one
+termination reason (``pipeline.kube.endings``). What it returns mirrors the local
+:class:`~resources.launcher.TrainerPipesClient`.
+
+A terminated Dagster run suspends the TrainJob/JobSet (its pods get SIGTERM and the trainers
+checkpoint inside the grace period) or deletes the Job in the foreground, then re-raises. Every
+cleanup call tolerates 404: the object may already be gone (an evicted pod, a TTL), and a 404
+from cleanup must never mask the error that caused it (the dagster-k8s bug, PR #33477).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import dagster as dg
+import kubernetes
+from dagster._core.errors import DagsterExecutionInterruptedError
+from dagster_k8s.pipes import PipesK8sPodLogsMessageReader
+from kubernetes.client.exceptions import ApiException
+
+from pipeline.kube import endings
+from pipeline.kube.render import (
+    COMPLETION_INDEX_ANNOTATION,
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    TRAINER_GROUP,
+    TRAINER_VERSION,
+    TRAINJOB_PLURAL,
+    render,
+)
+from pipeline.kube.spec import REPLICATED_JOB_NAME, Backend, TrainerSpec
+from pipeline.reasons import AttemptEvidence
+from pipeline.states import TerminationReason
+
+_CRD = {
+    Backend.TRAINJOB: (TRAINER_GROUP, TRAINER_VERSION, TRAINJOB_PLURAL, "TrainJob"),
+    Backend.JOBSET: (JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL, "JobSet"),
+}
+
+
+class TrainerLaunchError(RuntimeError):
+    """The trainer's Kubernetes objects could not be created; names the object and the reason."""
+
+
+@dataclass(frozen=True)
+class KubeTrainerExit:
+    """How rank 0 ended, its termination reason, and what it said through Pipes on the way.
+
+    The first four fields mean what they mean on :class:`~resources.launcher.TrainerExit`;
+    ``returncode`` is None when no container exit was observed (a pod that never ran or
+    vanished). ``evidence`` can be re-classified with more facts (the last committed step).
+    """
+
+    returncode: int | None
+    signal_name: str | None
+    custom_messages: list[Any] = field(default_factory=list)
+    interrupted: bool = False
+    reason: TerminationReason = TerminationReason.USER_CODE_ERROR
+    detail: str = ""
+    backend: Backend = Backend.TRAINJOB
+    workload: str = ""
+    namespace: str = ""
+    pod_name: str | None = None
+    node_name: str | None = None
+    termination_message: Mapping[str, Any] | str | None = None
+    evidence: AttemptEvidence = field(default_factory=AttemptEvidence)
+
+    @property
+    def succeeded(self) -> bool:
+        return self.returncode == 0 and self.reason == TerminationReason.SUCCEEDED
+
+
+@dataclass(frozen=True)
+class KubeApis:
+    """The API objects the client uses; inject them (tests, a non-default cluster)."""
+
+    core: kubernetes.client.CoreV1Api
+    batch: kubernetes.client.BatchV1Api
+    custom: kubernetes.client.CustomObjectsApi
+
+    @classmethod
+    def from_api_client(cls, api_client: kubernetes.client.ApiClient) -> KubeApis:
+        return cls(
+            core=kubernetes.client.CoreV1Api(api_client),
+            batch=kubernetes.client.BatchV1Api(api_client),
+            custom=kubernetes.client.CustomObjectsApi(api_client),
+        )
+
+
+def rank0_selector(spec: TrainerSpec, backend: Backend) -> dict[str, str]:
+    """Labels that pick rank 0's pod: completion index 0 of job 0 of the workload."""
+    if backend == Backend.INDEXED_JOB:
+        return {"job-name": spec.name, COMPLETION_INDEX_ANNOTATION: "0"}
+    return {
+        "jobset.sigs.k8s.io/jobset-name": spec.name,
+        "jobset.sigs.k8s.io/replicatedjob-name": REPLICATED_JOB_NAME,
+        "jobset.sigs.k8s.io/job-index": "0",
+        COMPLETION_INDEX_ANNOTATION: "0",
+    }
+
+
+class TrainJobPipesClient(dg.PipesClient):
+    """Runs a :class:`TrainerSpec` on Kubernetes and follows rank 0 through Pipes.
+
+    ``apis`` is built from the in-cluster config (or kubeconfig) on first use unless injected.
+    ``sleeper`` and ``clock`` are injectable so tests run in milliseconds.
+    """
+
+    def __init__(
+        self,
+        *,
+        apis: KubeApis | None = None,
+        poll_interval: float = 5.0,
+        pod_start_timeout: float = 3600.0,
+        delete_on_completion: bool = False,
+        sleeper: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._apis = apis
+        self.poll_interval = poll_interval
+        self.pod_start_timeout = pod_start_timeout
+        self.delete_on_completion = delete_on_completion
+        self.sleeper = sleeper
+        self.clock = clock
+
+    @classmethod
+    def _is_dagster_maintained(cls) -> bool:
+        return False
+
+    @property
+    def apis(self) -> KubeApis:
+        if self._apis is None:
+            # The run pod has a service account; a laptop has a kubeconfig.
+            try:
+                kubernetes.config.load_incluster_config()
+            except kubernetes.config.ConfigException:
+                kubernetes.config.load_kube_config()
+            self._apis = KubeApis.from_api_client(kubernetes.client.ApiClient())
+        return self._apis
+
+    def run(  # type: ignore[override]
+        self,
+        *,
+        context: dg.AssetExecutionContext | dg.OpExecutionContext,
+        spec: TrainerSpec,
+        backend: Backend | str = Backend.TRAINJOB,
+        extras: Mapping[str, Any] | None = None,
+    ) -> tuple[dg.PipesClientCompletedInvocation, KubeTrainerExit]:
+        backend = Backend(backend)
+        reader = PipesK8sPodLogsMessageReader()
+        with dg.open_pipes_session(
+            context=context,
+            context_injector=dg.PipesEnvContextInjector(),
+            message_reader=reader,
+            extras=extras,
+        ) as session:
+            objs = render(spec, backend, bootstrap_env=session.get_bootstrap_env_vars())
+            try:
+                # Inside the try: a run terminated mid-create must not leave half a workload.
+                self._create(spec, backend, objs)
+                context.log.info(f"created {backend.value} {spec.namespace}/{spec.name}")
+                ending, started = self._follow(context, spec, backend, reader)
+            except DagsterExecutionInterruptedError:
+                context.log.info(
+                    f"run terminated: stopping {backend.value} {spec.name} so its trainers "
+                    "checkpoint and exit inside their grace period"
+                )
+                self._stop_quietly(context, spec, backend)
+                raise
+            except BaseException:
+                # The step is failing: nobody would be left to follow a trainer still running.
+                self._stop_quietly(context, spec, backend)
+                raise
+            if not started:
+                # Given up on (or failed) before rank 0 ran: it must not start unobserved later.
+                self._stop(spec, backend)
+            if self.delete_on_completion:
+                self._delete(spec, backend)
+        outcome = self._outcome(ending, spec, backend, list(session.get_custom_messages()))
+        context.log.info(f"rank 0 of {spec.name} ended: {outcome.reason} ({outcome.detail})")
+        return dg.PipesClientCompletedInvocation(session), outcome
+
+    # -- creating -----------------------------------------------------------------------------
+
+    def _create(self, spec: TrainerSpec, backend: Backend, objs: list[dict[str, Any]]) -> None:
+        apis = self.apis
+        for obj in objs:
+            try:
+                if obj["kind"] == "Service":
+                    apis.core.create_namespaced_service(spec.namespace, obj)
+                elif obj["kind"] == "Job":
+                    created = apis.batch.create_namespaced_job(spec.namespace, obj)
+                    self._adopt_service(spec, created)
+                else:
+                    group, version, plural, _ = _CRD[backend]
+                    apis.custom.create_namespaced_custom_object(
+                        group, version, spec.namespace, plural, obj
+                    )
+            except ApiException as error:
+                # Nothing half-made may outlive the step (a Service without its Job).
+                self._delete(spec, backend)
+                raise TrainerLaunchError(
+                    f"creating {obj['kind']} {spec.namespace}/{spec.name} failed: "
+                    f"{error.status} {error.reason}: {_api_message(error)}"
+                ) from None
+
+    def _adopt_service(self, spec: TrainerSpec, job: Any) -> None:
+        """Make the Job own its Service, so deleting the Job (or its TTL) removes both."""
+        uid = getattr(getattr(job, "metadata", None), "uid", None)
+        if not uid:
+            return
+        owner = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": spec.name,
+            "uid": uid,
+            "blockOwnerDeletion": False,
+        }
+        self.apis.core.patch_namespaced_service(
+            spec.name, spec.namespace, {"metadata": {"ownerReferences": [owner]}}
+        )
+
+    # -- following ----------------------------------------------------------------------------
+
+    def _follow(
+        self,
+        context: dg.AssetExecutionContext | dg.OpExecutionContext,
+        spec: TrainerSpec,
+        backend: Backend,
+        reader: PipesK8sPodLogsMessageReader,
+    ) -> tuple[endings.PodEnding | _NoPod, bool]:
+        pod = self._wait_for_rank0(spec, backend)
+        if isinstance(pod, _NoPod):
+            return pod, False
+        name = pod["metadata"]["name"]
+        context.log.info(f"rank 0 is pod {spec.namespace}/{name}; reading its Pipes messages")
+        if _ran(pod):
+            # Blocks while the container runs (follow=True) and returns when its log ends.
+            reader.consume_pod_logs(
+                context=context, core_api=self.apis.core, pod_name=name, namespace=spec.namespace
+            )
+        while True:
+            try:
+                current = self.apis.core.read_namespaced_pod(name, spec.namespace)
+            except ApiException as error:
+                if error.status == 404:
+                    return endings.lost_pod(name, "the pod was deleted"), True
+                raise
+            pod = self._as_dict(current)
+            if endings.is_finished(pod):
+                return endings.classify_pod(pod), True
+            self.sleeper(self.poll_interval)
+
+    def _wait_for_rank0(self, spec: TrainerSpec, backend: Backend) -> dict[str, Any] | _NoPod:
+        deadline = self.clock() + self.pod_start_timeout
+        selector = rank0_selector(spec, backend)
+        last_seen: dict[str, Any] | None = None
+        while True:
+            pod = self._find_rank0(spec, selector)
+            if pod is not None:
+                last_seen = pod
+                if endings.has_started(pod):
+                    return pod
+            failure = self._workload_failure(spec, backend)
+            if failure is not None:
+                kind = "Job" if backend == Backend.INDEXED_JOB else _CRD[backend][3]
+                return _NoPod(endings.ending_without_pod(kind, spec.name, failure))
+            if self.clock() >= deadline:
+                where = _pending_phrase(last_seen)
+                return _NoPod(
+                    endings.Termination(
+                        TerminationReason.INFRA_TRANSIENT,
+                        f"Rank 0 of {spec.name} did not start within "
+                        f"{self.pod_start_timeout:.0f}s ({where}); the workload was stopped.",
+                    )
+                )
+            self.sleeper(self.poll_interval)
+
+    def _find_rank0(self, spec: TrainerSpec, selector: Mapping[str, str]) -> dict[str, Any] | None:
+        found = self.apis.core.list_namespaced_pod(
+            spec.namespace, label_selector=",".join(f"{k}={v}" for k, v in selector.items())
+        )
+        pods = [self._as_dict(item) for item in found.items or []]
+        # The API server filters by the selector; checking again costs nothing and keeps a
+        # careless proxy (or mock) from handing rank 1's log to Dagster.
+        pods = [
+            p
+            for p in pods
+            if all(
+                (p.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in selector.items()
+            )
+            and not p.get("metadata", {}).get("deletionTimestamp")
+        ]
+        if not pods:
+            return None
+        return max(pods, key=lambda p: str(p.get("metadata", {}).get("creationTimestamp") or ""))
+
+    def _workload_failure(self, spec: TrainerSpec, backend: Backend) -> str | None:
+        try:
+            if backend == Backend.INDEXED_JOB:
+                obj = self._as_dict(self.apis.batch.read_namespaced_job(spec.name, spec.namespace))
+            else:
+                group, version, plural, _ = _CRD[backend]
+                obj = self.apis.custom.get_namespaced_custom_object(
+                    group, version, spec.namespace, plural, spec.name
+                )
+        except ApiException as error:
+            if error.status == 404:
+                return "NotFound: the workload was deleted before rank 0 ran"
+            raise
+        return endings.workload_failure(obj)
+
+    # -- stopping -----------------------------------------------------------------------------
+
+    def _stop(self, spec: TrainerSpec, backend: Backend) -> None:
+        """Stop the trainers: suspend a TrainJob/JobSet, delete a Job; 404 means done already.
+
+        Suspending (not deleting) keeps the object, its events and conditions for the
+        post-mortem; the pods are terminated with their grace period all the same.
+        """
+        if backend == Backend.INDEXED_JOB:
+            self._delete(spec, backend)
+            return
+        group, version, plural, _ = _CRD[backend]
+        _ignore_404(
+            lambda: self.apis.custom.patch_namespaced_custom_object(
+                group, version, spec.namespace, plural, spec.name, {"spec": {"suspend": True}}
+            )
+        )
+
+    def _stop_quietly(
+        self,
+        context: dg.AssetExecutionContext | dg.OpExecutionContext,
+        spec: TrainerSpec,
+        backend: Backend,
+    ) -> None:
+        """:meth:`_stop` on an error path: its own failure is logged, never raised over the
+        error being handled."""
+        try:
+            self._stop(spec, backend)
+        except Exception as error:
+            context.log.warning(f"could not stop {backend.value} {spec.name}: {error!r}")
+
+    def _delete(self, spec: TrainerSpec, backend: Backend) -> None:
+        """Delete the workload and (foreground) its pods; the Job's Service with it."""
+        apis = self.apis
+        if backend == Backend.INDEXED_JOB:
+            _ignore_404(
+                lambda: apis.batch.delete_namespaced_job(
+                    spec.name, spec.namespace, propagation_policy="Foreground"
+                )
+            )
+            _ignore_404(lambda: apis.core.delete_namespaced_service(spec.name, spec.namespace))
+            return
+        group, version, plural, _ = _CRD[backend]
+        _ignore_404(
+            lambda: apis.custom.delete_namespaced_custom_object(
+                group,
+                version,
+                spec.namespace,
+                plural,
+                spec.name,
+                propagation_policy="Foreground",
+            )
+        )
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _as_dict(self, obj: Any) -> dict[str, Any]:
+        if isinstance(obj, dict):
+            return obj
+        return self.apis.core.api_client.sanitize_for_serialization(obj)
+
+    @staticmethod
+    def _outcome(
+        ending: endings.PodEnding | _NoPod,
+        spec: TrainerSpec,
+        backend: Backend,
+        custom_messages: list[Any],
+    ) -> KubeTrainerExit:
+        common = {
+            "custom_messages": custom_messages,
+            "backend": backend,
+            "workload": spec.name,
+            "namespace": spec.namespace,
+        }
+        if isinstance(ending, _NoPod):
+            return KubeTrainerExit(
+                returncode=None,
+                signal_name=None,
+                reason=ending.termination.reason,
+                detail=ending.termination.detail,
+                **common,
+            )
+        message = ending.message.words if ending.message.words is not None else ending.message.text
+        return KubeTrainerExit(
+            returncode=ending.exit_code,
+            signal_name=ending.evidence.signal_name,
+            reason=ending.reason,
+            detail=ending.termination.detail,
+            pod_name=ending.pod_name,
+            node_name=ending.node_name,
+            termination_message=message,
+            evidence=ending.evidence,
+            **common,
+        )
+
+
+@dataclass(frozen=True)
+class _NoPod:
+    """The workload ended (or was given up on) before rank 0 ever ran."""
+
+    termination: endings.Termination
+
+
+def _ran(pod: Mapping[str, Any]) -> bool:
+    """True if the trainer container ever started, so a log exists to read."""
+    state = (endings.container_status(pod) or {}).get("state") or {}
+    return bool(state.get("running") or state.get("terminated"))
+
+
+def _pending_phrase(pod: Mapping[str, Any] | None) -> str:
+    if pod is None:
+        return "no rank-0 pod was created"
+    status = pod.get("status") or {}
+    waiting = ((endings.container_status(pod) or {}).get("state") or {}).get("waiting") or {}
+    why = waiting.get("reason") or status.get("reason")
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            why = f"unschedulable: {condition.get('message') or condition.get('reason')}"
+    return f"pod {pod['metadata']['name']} {status.get('phase', 'Pending')}" + (
+        f", {why}" if why else ""
+    )
+
+
+def _api_message(error: ApiException) -> str:
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.body)[:500]
+    except ValueError:
+        return str(error.body)[:500]
+
+
+def _ignore_404(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except ApiException as error:
+        if error.status != 404:
+            raise
