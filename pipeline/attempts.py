@@ -218,6 +218,13 @@ def _words_field(words: dict[str, Any] | None, key: str, kind: type) -> Any:
     return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
+def _accelerators(placement: dict[str, Any]) -> int:
+    """Accelerators the attempt held: one per rank when distributed, else every visible one."""
+    visible = int(placement.get("accelerator_count") or 0)
+    world = int(placement.get("world_size") or 1)
+    return world if visible and world > 1 else visible
+
+
 def _first_failed_rank(store: Path, run_id: str, attempt_no: int) -> dict[str, Any] | None:
     """The launcher's record of the rank that failed first (distributed attempts only)."""
     from pipeline.distributed.launch import ranks_summary_path
@@ -274,7 +281,7 @@ def finish_attempt(
             detail=f"{termination.detail} Rank {first_failure.get('rank')} failed first: "
             f"{first_failure.get('detail')}",
         )
-    accelerators = int(prepared.attempt.placement.get("accelerator_count") or 0)
+    accelerators = _accelerators(ledger.get_attempt(run_id, attempt_no).placement or {})
     ended = ledger.end_attempt(
         run_id,
         attempt_no,

@@ -259,13 +259,24 @@ def render_snapshot(ledger: Ledger, snapshot_id: str) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def _ranks_words(p: Mapping[str, Any]) -> str:
+    """World size, its shape, and whether the restore resharded a checkpoint of another size."""
+    world = int(p.get("world_size") or 1)
+    words = str(world)
+    if world > 1:
+        words += f" ({p.get('ranks_per_node', world)} per node x {p.get('nodes', 1)} node(s))"
+    if p.get("resharded_from"):
+        words += f", resharded from {p['resharded_from']}"
+    return words
+
+
 def _placement(attempts: Sequence[AttemptRecord], focus: int | None) -> list[str]:
     out = ["## Where it ran", ""]
     if not attempts:
         return [*out, "Nowhere yet.", ""]
     out += [
-        "| attempt | host | pod | node | accelerators | torch | CUDA | world size | container |",
-        "|---:|---|---|---|---|---|---|---:|---|",
+        "| attempt | host | pod | node | accelerators | torch | CUDA | ranks | container |",
+        "|---:|---|---|---|---|---|---|---|---|",
     ]
     for a in attempts:
         p = a.placement or {}
@@ -273,7 +284,7 @@ def _placement(attempts: Sequence[AttemptRecord], focus: int | None) -> list[str
         out.append(
             f"| {_mark(a, focus)} | {_cell(p.get('host'))} | {_cell(p.get('pod'))} | "
             f"{_cell(p.get('node'))} | {_cell(accelerators)} | {_cell(p.get('torch_version'))} | "
-            f"{_cell(p.get('cuda_version') or 'none')} | {p.get('world_size', 1)} | "
+            f"{_cell(p.get('cuda_version') or 'none')} | {_cell(_ranks_words(p))} | "
             f"`{_cell(a.container_digest[:32])}` |"
         )
     return [*out, ""]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from bench.kill_drill import make_snapshot
 from bench.kill_drill import write_config as write_drill_config
@@ -36,7 +37,7 @@ from pipeline.distributed.launch import RankOutcome, decide_exit
 from pipeline.trainer import exit_codes
 
 REPO = Path(__file__).resolve().parents[1]
-MAX_STEPS = 300
+MAX_STEPS = 160
 INTERVAL = 2
 KILLS = 20
 
@@ -162,6 +163,18 @@ def _rank_pids(launcher_pid: int) -> dict[int, int]:
 
 
 @pytest.fixture(scope="module")
+def reshard_config(workdir: Path, config: Path) -> Path:
+    # Checkpoints only where the test stops the run: resharding is what is tested here.
+    return write_drill_config(
+        workdir / "reshard-config",
+        Path(yaml.safe_load(config.read_text())["snapshot_dir"]),
+        max_steps=MAX_STEPS,
+        checkpoint_every_steps=MAX_STEPS,
+        keep_last_k=2,
+    )
+
+
+@pytest.fixture(scope="module")
 def reference(workdir: Path, config: Path) -> dict[str, torch.Tensor]:
     store = workdir / "reference"
     assert _finish(_launch(config, store, "ref")) == 0, (store / "ref.log").read_text()[-3000:]
@@ -175,6 +188,8 @@ def _all_committed_verify(run_dir: Path) -> int:
     return len(dirs)
 
 
+# Alone, after the parallel tests (`make test`): three processes per launch want both cores.
+@pytest.mark.serial
 @pytest.mark.slow
 def test_kill_one_rank_at_random_moments_then_sigterm_all(
     workdir: Path, config: Path, reference: dict[str, torch.Tensor]
@@ -191,7 +206,7 @@ def test_kill_one_rank_at_random_moments_then_sigterm_all(
         started = _count(log, '"attempt_started"')
         process = _launch(config, store, run_id, env=env, log=log)
         _wait_for_count(log, '"attempt_started"', started + 1)
-        time.sleep(rng.uniform(0.0, 0.4))
+        time.sleep(rng.uniform(0.0, 0.25))
         ranks = _rank_pids(process.pid)
         victim = rng.choice(sorted(ranks)) if ranks else None
         if victim is not None:
@@ -204,6 +219,11 @@ def test_kill_one_rank_at_random_moments_then_sigterm_all(
         if code == exit_codes.SUCCEEDED:
             break  # the run finished before the kill landed
         assert code in (128 + signal.SIGKILL, exit_codes.INFRA_TRANSIENT), (code, kill)
+        # The launcher's record names the killed rank as the one that failed first.
+        summaries = sorted((store / run_id).glob("attempt-*.ranks.json"), key=os.path.getmtime)
+        if victim is not None and code == 128 + signal.SIGKILL and summaries:
+            first = json.loads(summaries[-1].read_text())["first_failure"]
+            assert first["rank"] == victim and first["exit_code"] == 137, first
         # Nothing without COMMITTED is ever read; everything with it verifies.
         _all_committed_verify(store / run_id)
     assert kills >= KILLS - 2, f"only {kills} kills landed"
@@ -221,8 +241,11 @@ def test_kill_one_rank_at_random_moments_then_sigterm_all(
     _assert_equal(_final_weights(store, run_id), reference)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
-def test_reshard_two_ranks_to_one_and_one_to_two(workdir: Path, config: Path) -> None:
+def test_reshard_two_ranks_to_one_and_one_to_two(workdir: Path, reshard_config: Path) -> None:
+    config = reshard_config
+    from pipeline.explain import explain
     from pipeline.ledger import Ledger
 
     store = workdir / "reshard"
@@ -244,6 +267,7 @@ def test_reshard_two_ranks_to_one_and_one_to_two(workdir: Path, config: Path) ->
         assert resumed.placement["resharded_from"] == first, resumed.placement
         assert resumed.resumed_from_checkpoint.endswith("step-0000000010-a01")
         assert '"resharded"' in log.read_text()
+        assert f"resharded from {first}" in explain(ledger, run_id)
         final = load_checkpoint(checkpoint_dirs(store / run_id)[0])
         assert final.info.step == MAX_STEPS and final.info.world_size == second
         assert all(torch.isfinite(t).all() for t in final.model.values())
@@ -271,6 +295,7 @@ class _Payload:
         return (os.system, ("touch /tmp/tracks-dcp-metadata-pwned",))
 
 
+@pytest.mark.serial  # shares the two-rank reference run with the drill
 @pytest.mark.slow
 def test_dcp_metadata_is_read_only_through_the_allow_list(
     workdir: Path, reference: dict[str, torch.Tensor]
@@ -305,3 +330,11 @@ def test_launcher_names_the_first_failed_rank_not_the_collateral() -> None:
     assert decide_exit(saved) == (exit_codes.PREEMPTED, saved[0])
     ok = [RankOutcome(r, 0, "succeeded", "", 40, 1.0) for r in (0, 1)]
     assert decide_exit(ok) == (0, None)
+
+
+def test_gpu_seconds_count_one_accelerator_per_rank() -> None:
+    from pipeline.attempts import _accelerators
+
+    assert _accelerators({"accelerator_count": 0, "world_size": 4}) == 0  # CPU ranks
+    assert _accelerators({"accelerator_count": 8, "world_size": 1}) == 8  # one process, all GPUs
+    assert _accelerators({"accelerator_count": 8, "world_size": 16}) == 16  # 2 nodes x 8 ranks

@@ -78,10 +78,12 @@ def test_run_training_in_process_reports_steps_and_commits(
 
 def test_wall_clock_limit_saves_and_exits_timeout(small_config: Path, tmp_path: Path) -> None:
     config = TrainConfig.from_dict({**TrainConfig.load(small_config).to_dict(),
-                                    "max_wall_seconds": 2.5})  # fmt: skip
+                                    "max_wall_seconds": 8.0})  # fmt: skip
     reporter = RecordingReporter()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRACKS_FAULT_SLEEP_AFTER_STEP", "3@3")
+        # The limit counts set-up too (imports, data): 8 s leaves room on a loaded machine,
+        # and the 10 s pause after step 3 makes sure it is reached there.
+        patch.setenv("TRACKS_FAULT_SLEEP_AFTER_STEP", "10@3")
         code = run_training(config, run_id="slow", store=tmp_path, reporter=reporter)
     assert code == exit_codes.TIMEOUT
     (commit,) = [fields for name, fields in reporter.calls if name == "checkpoint_committed"]

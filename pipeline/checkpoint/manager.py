@@ -68,6 +68,7 @@ from pipeline.checkpoint.verify import (
     load_checkpoint,
 )
 from pipeline.checkpoint.writer import (
+    WrittenCheckpoint,
     commit_checkpoint_dir,
     cpu_capability,
     write_checkpoint_files,
@@ -364,16 +365,7 @@ class CheckpointManager:
         # The run folder's entry in the store is made durable too, not only what is inside it.
         make_dir_durably(self.run_dir)
         parent = str(self.last_committed.path) if self.last_committed else None
-        if self.ledger is not None:
-            self.ledger.checkpoint_writing(
-                run_id=self.run_id,
-                attempt_no=attempt_no,
-                step=staged.step,
-                path=str(directory),
-                fencing_token=self._token(),
-                parent_path=parent,
-            )
-        ledger_committed = False
+        self._record_writing(directory, staged.step, attempt_no, parent)
         try:
             written = write_checkpoint_files(
                 staged,
@@ -382,24 +374,10 @@ class CheckpointManager:
                 attempt_no=attempt_no,
                 hash_workers=self.config.hash_workers,
             )
-            _fault_sleep_before_commit(staged.step)
-            if self.ledger is not None:
-                self.ledger.commit_checkpoint(
-                    run_id=self.run_id,
-                    attempt_no=attempt_no,
-                    path=str(directory),
-                    manifest_sha256=written.manifest_sha256,
-                    size_bytes=written.size_bytes,
-                    metrics=written.metrics,
-                    fencing_token=self._token(),
-                    step=staged.step,
-                    parent_path=parent,
-                )
-                ledger_committed = True
-            committed = commit_checkpoint_dir(written, fencing_token=self.fencing_token)
         except BaseException as exc:
-            self._abandon(directory, exc, ledger_committed=ledger_committed)
+            self._abandon(directory, exc, ledger_committed=False)
             raise
+        committed = self._commit(written, parent)
         info = CheckpointInfo(
             path=directory,
             run_id=self.run_id,
@@ -419,6 +397,46 @@ class CheckpointManager:
             log.warning("retention after %s failed: %s", directory, exc)
             self._event("retention_failed", {"path": str(directory), "error": str(exc)})
         return info
+
+    def _record_writing(
+        self, directory: Path, step: int, attempt_no: int, parent: str | None
+    ) -> None:
+        """The ledger learns of the save before a byte is written (fenced by the token)."""
+        if self.ledger is not None:
+            self.ledger.checkpoint_writing(
+                run_id=self.run_id,
+                attempt_no=attempt_no,
+                step=step,
+                path=str(directory),
+                fencing_token=self._token(),
+                parent_path=parent,
+            )
+
+    def _commit(self, written: WrittenCheckpoint, parent: str | None) -> dict[str, Any]:
+        """Commit the ledger row under the token, then rename COMMITTED into place.
+
+        A refused or failed commit abandons the directory (see :meth:`_abandon`) and raises.
+        """
+        ledger_committed = False
+        try:
+            _fault_sleep_before_commit(written.step)
+            if self.ledger is not None:
+                self.ledger.commit_checkpoint(
+                    run_id=self.run_id,
+                    attempt_no=written.attempt_no,
+                    path=str(written.path),
+                    manifest_sha256=written.manifest_sha256,
+                    size_bytes=written.size_bytes,
+                    metrics=written.metrics,
+                    fencing_token=self._token(),
+                    step=written.step,
+                    parent_path=parent,
+                )
+                ledger_committed = True
+            return commit_checkpoint_dir(written, fencing_token=self.fencing_token)
+        except BaseException as exc:
+            self._abandon(written.path, exc, ledger_committed=ledger_committed)
+            raise
 
     def _abandon(self, directory: Path, exc: BaseException, *, ledger_committed: bool) -> None:
         """A save that failed: its directory never gets COMMITTED.

@@ -50,12 +50,7 @@ from pipeline.checkpoint.layout import (
     rank_file,
     write_file_durably,
 )
-from pipeline.checkpoint.manager import (
-    CheckpointConfig,
-    CheckpointManager,
-    _fault_sleep_before_commit,
-    _restore_staged,
-)
+from pipeline.checkpoint.manager import CheckpointConfig, CheckpointManager, _restore_staged
 from pipeline.checkpoint.state import StagedCheckpoint, TrainingState, stage_checkpoint
 from pipeline.checkpoint.tensorfile import TensorFileError, parse_safetensors
 from pipeline.checkpoint.verify import (
@@ -70,7 +65,6 @@ from pipeline.checkpoint.verify import (
 from pipeline.checkpoint.writer import (
     WrittenCheckpoint,
     chunks_digest,
-    commit_checkpoint_dir,
     naming_step,
     serialize_staged,
     write_chunks_durably,
@@ -327,15 +321,7 @@ class ShardedCheckpointManager(CheckpointManager):
                 make_dir_durably(self.run_dir)
                 directory.mkdir()
                 fsync_dir(self.run_dir)
-                if self.ledger is not None:
-                    self.ledger.checkpoint_writing(
-                        run_id=self.run_id,
-                        attempt_no=attempt_no,
-                        step=staged.step,
-                        path=str(directory),
-                        fencing_token=self._token(),
-                        parent_path=parent,
-                    )
+                self._record_writing(directory, staged.step, attempt_no, parent)
             except BaseException as exc:
                 error = exc
         self._agree(f"preparing checkpoint {directory.name}", error)
@@ -351,28 +337,22 @@ class ShardedCheckpointManager(CheckpointManager):
             self._write_rank_files(directory, staged)
         except BaseException as exc:
             error = exc
-        self._agree(f"writing the shards of {directory.name}", error)
+        try:
+            self._agree(f"writing the shards of {directory.name}", error)
+        except BaseException as exc:
+            if self.world.leader:  # recorded as abandoned, like a single process's failed write
+                self._abandon(directory, exc, ledger_committed=False)
+            raise
 
         info_fields: dict[str, Any] | None = None
         if self.world.leader:
-            ledger_committed = False
             try:
-                written = self._write_manifest(directory, staged, attempt_no)
-                _fault_sleep_before_commit(staged.step)
-                if self.ledger is not None:
-                    self.ledger.commit_checkpoint(
-                        run_id=self.run_id,
-                        attempt_no=attempt_no,
-                        path=str(directory),
-                        manifest_sha256=written.manifest_sha256,
-                        size_bytes=written.size_bytes,
-                        metrics=written.metrics,
-                        fencing_token=self._token(),
-                        step=staged.step,
-                        parent_path=parent,
-                    )
-                    ledger_committed = True
-                committed = commit_checkpoint_dir(written, fencing_token=self.fencing_token)
+                try:
+                    written = self._write_manifest(directory, staged, attempt_no)
+                except BaseException as exc:
+                    self._abandon(directory, exc, ledger_committed=False)
+                    raise
+                committed = self._commit(written, parent)
                 info_fields = {
                     "manifest_sha256": written.manifest_sha256,
                     "committed_at": committed["committed_at"],
@@ -380,7 +360,6 @@ class ShardedCheckpointManager(CheckpointManager):
                 }
             except BaseException as exc:
                 error = exc
-                self._abandon(directory, exc, ledger_committed=ledger_committed)
         self._agree(f"committing {directory.name}", error)
         info_fields = self.groups.broadcast("sharing the commit", info_fields)
         assert info_fields is not None
