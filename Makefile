@@ -31,8 +31,8 @@ lint: install
 # Two workers (the machine has two cores), longest tests first; the tests that restart the
 # shared PostgreSQL server run alone afterwards.
 test: lint browser
-	$(BIN)/pytest -n 2 --dist worksteal -m "not serial"
-	$(BIN)/pytest -m serial
+	$(BIN)/pytest -n 2 --dist worksteal -m "not serial" --durations=25
+	$(BIN)/pytest -m serial --durations=10
 
 # The browser test drives Debian's chromium (Playwright's own download is not reachable here).
 browser:

@@ -56,12 +56,28 @@ def _materialize_all(page, url: str, snapshot_id: str) -> None:
     adding.wait_for(state="detached")
     launch = page.get_by_role("dialog").get_by_role("button", name="Launch 1 run")
     try:
+        launch.wait_for(timeout=20_000)
+    except PlaywrightTimeout:
+        # On a loaded machine Dagster's dialog sometimes adds the partition without selecting
+        # it ("0 partitions", "Launch backfill"): pick it in the partition picker, as a person
+        # would on seeing that.
+        _pick_partition(page, snapshot_id)
+    try:
         launch.wait_for()
     except PlaywrightTimeout:
         page.screenshot(path=DIAGNOSTICS / f"launch-{snapshot_id}.png", full_page=True)
         body = page.inner_text("body")[:4000]
         raise AssertionError(f"no 'Launch 1 run' for partition {snapshot_id}:\n{body}") from None
     launch.click()
+
+
+def _pick_partition(page, snapshot_id: str) -> None:
+    """Select ``snapshot_id`` in the launch dialog's partition picker (Custom selection)."""
+    dialog = page.get_by_role("dialog").filter(has_text="Partition selection")
+    dialog.get_by_text("Select a partition or create one").click()
+    page.get_by_placeholder("Filter partitions").fill(snapshot_id)
+    page.get_by_text(snapshot_id, exact=True).filter(visible=True).first.click()
+    dialog.get_by_text("Launch runs to materialize").click()  # closes the picker
 
 
 def _show_markdown(page, key: str) -> None:
