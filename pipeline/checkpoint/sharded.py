@@ -27,7 +27,6 @@ import json
 import pickle
 import shutil
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -61,6 +60,7 @@ from pipeline.checkpoint.verify import (
     is_committed,
     load_checkpoint,
     read_verified,
+    verify_files,
 )
 from pipeline.checkpoint.writer import (
     WrittenCheckpoint,
@@ -173,20 +173,6 @@ def _verified_reader(directory: Path, metadata: Any) -> Any:
     return VerifiedReader(directory)
 
 
-def verify_files(directory: Path, listed: dict[str, ListedFile], names: list[str]) -> None:
-    """Hash ``names`` (two at a time) and compare with the manifest."""
-
-    def check(name: str) -> None:
-        entry = listed[name]
-        digest = file_digest(directory / name, entry.algorithm)
-        if digest != entry.digest:
-            raise CorruptCheckpointError(directory, name, entry.mismatch(digest))
-
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-verify") as pool:
-        for future in [pool.submit(check, name) for name in names]:
-            future.result()
-
-
 def load_sharded(
     info: CheckpointInfo,
     listed: dict[str, ListedFile],
@@ -282,8 +268,6 @@ class ShardedCheckpointManager(CheckpointManager):
             on_commit=on_commit,
         )
         self.world, self.groups = world, groups
-        # Set by resume: the world size that wrote the checkpoint resumed from, when it differs.
-        self.resharded_from: int | None = None
 
     def bind_attempt(self, attempt_no: int, fencing_token: int | None) -> None:
         # Rank 0 began the attempt; every rank names its directories after the same number.
@@ -533,7 +517,6 @@ class ShardedCheckpointManager(CheckpointManager):
                 _restore_staged(state, fresh)
                 continue
             self.last_committed = contents.info
-            self.resharded_from = info.world_size if info.world_size != size else None
             return contents.info
         return None
 

@@ -122,28 +122,27 @@ def refuse_pickle(directory: Path, *, exempt: frozenset[str] = frozenset()) -> N
     checkpoint's DCP files: see :mod:`pipeline.checkpoint.sharded`).
     """
     for path in sorted(directory.rglob("*")):
-        if not path.is_file():
-            continue
-        name = str(path.relative_to(directory))
-        if name in exempt:
-            continue
-        if path.suffix.lower() in PICKLE_SUFFIXES:
-            raise UnsafeCheckpointError(directory, name, f"has a pickle suffix ({path.suffix})")
-        with open(path, "rb") as handle:
-            head = handle.read(9)
-        # A safetensors file starts with its header length (u64, little-endian), whose low
-        # bytes can look like pickle magic (a 640-byte header is 80 02 …): a well-formed
-        # safetensors header is not a pickle, whatever its first two bytes.
-        if _looks_like_safetensors(head, path.stat().st_size):
-            continue
-        if len(head) >= 2 and head[0] == 0x80 and head[1] in _PICKLE_PROTOCOLS:
-            raise UnsafeCheckpointError(
-                directory, name, f"starts with pickle protocol {head[1]} magic bytes"
-            )
-        if head[:4] == _ZIP_MAGIC:
-            raise UnsafeCheckpointError(
-                directory, name, "is a zip archive (torch.save wraps pickle)"
-            )
+        if path.is_file() and str(path.relative_to(directory)) not in exempt:
+            _refuse_pickle_file(directory, path)
+
+
+def _refuse_pickle_file(directory: Path, path: Path) -> None:
+    name = str(path.relative_to(directory))
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise UnsafeCheckpointError(directory, name, f"has a pickle suffix ({path.suffix})")
+    with open(path, "rb") as handle:
+        head = handle.read(9)
+    # A safetensors file starts with its header length (u64, little-endian), whose low
+    # bytes can look like pickle magic (a 640-byte header is 80 02 …): a well-formed
+    # safetensors header is not a pickle, whatever its first two bytes.
+    if _looks_like_safetensors(head, path.stat().st_size):
+        return
+    if len(head) >= 2 and head[0] == 0x80 and head[1] in _PICKLE_PROTOCOLS:
+        raise UnsafeCheckpointError(
+            directory, name, f"starts with pickle protocol {head[1]} magic bytes"
+        )
+    if head[:4] == _ZIP_MAGIC:
+        raise UnsafeCheckpointError(directory, name, "is a zip archive (torch.save wraps pickle)")
 
 
 def _looks_like_safetensors(head: bytes, size: int) -> bool:
@@ -193,11 +192,22 @@ def verify_checkpoint(directory: str | Path) -> CheckpointInfo:
     or :class:`UnsafeCheckpointError` when a pickle is present.
     """
     info, listed = _verify_layout(directory)
-    for name, entry in listed.items():
-        digest = file_digest(info.path / name, entry.algorithm)
-        if digest != entry.digest:
-            raise CorruptCheckpointError(info.path, name, entry.mismatch(digest))
+    verify_files(info.path, listed, list(listed))
     return info
+
+
+def verify_files(directory: Path, listed: dict[str, ListedFile], names: list[str]) -> None:
+    """Hash ``names`` (two at a time) and compare each with its MANIFEST.json digest."""
+
+    def check(name: str) -> None:
+        entry = listed[name]
+        digest = file_digest(directory / name, entry.algorithm)
+        if digest != entry.digest:
+            raise CorruptCheckpointError(directory, name, entry.mismatch(digest))
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-verify") as pool:
+        for future in [pool.submit(check, name) for name in names]:
+            future.result()
 
 
 def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, ListedFile]]:
@@ -207,9 +217,8 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, Lis
         raise CorruptCheckpointError(directory, ".", "directory does not exist")
     _refuse_links(directory)
     # DCP's own files are exempt here, and later refused unless a sharded manifest lists them.
-    refuse_pickle(
-        directory, exempt=frozenset(p.name for p in directory.iterdir() if is_dcp_file(p.name))
-    )
+    dcp_files = frozenset(p.name for p in directory.iterdir() if is_dcp_file(p.name))
+    refuse_pickle(directory, exempt=dcp_files)
     committed, _ = _read_json(directory, COMMITTED_FILE)
     manifest, manifest_raw = _read_json(directory, MANIFEST_FILE)
     for key in ("manifest_sha256", "run_id", "attempt_no", "step"):
@@ -275,7 +284,9 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, Lis
     if not isinstance(world_size, int) or world_size < 1:
         raise CorruptCheckpointError(directory, MANIFEST_FILE, f"world_size {world_size!r}")
     if not sharded:
-        refuse_pickle(directory)  # DCP files in a single-process checkpoint are not exempt
+        # DCP files in a single-process checkpoint are not exempt (the rest were checked).
+        for name in sorted(dcp_files):
+            _refuse_pickle_file(directory, directory / name)
     size_bytes = len(manifest_raw)
     for name, entry in listed.items():
         path = directory / name
@@ -331,9 +342,7 @@ def load_checkpoint(directory: str | Path) -> CheckpointContents:
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-read") as pool:
         futures = {name: pool.submit(read_verified, info.path, listed[name]) for name in wanted}
         buffers = {name: future.result() for name, future in futures.items()}
-    for name, entry in listed.items():
-        if name not in buffers and file_digest(info.path / name, entry.algorithm) != entry.digest:
-            raise CorruptCheckpointError(info.path, name, f"{entry.algorithm} differs")
+    verify_files(info.path, listed, [name for name in listed if name not in buffers])
     name = TRAINER_STATE_FILE
     try:
         trainer_state = json.loads(buffers[name].numpy().tobytes())
