@@ -396,10 +396,9 @@ class Trainer:
 
     def _record_world(self, manager: CheckpointManager) -> None:
         """The world this attempt ran as, and whether its restore resharded, on the receipt."""
-        resharded_from = getattr(manager, "resharded_from", None)
-        if manager.last_committed is not None and not self.world.distributed:
-            written_by = manager.last_committed.world_size
-            resharded_from = written_by if written_by != 1 else None
+        # The checkpoint resumed from says how many ranks wrote it (resume and reconcile set it).
+        written_by = manager.last_committed.world_size if manager.last_committed else None
+        resharded_from = written_by if written_by not in (None, self.world.world_size) else None
         fields: dict[str, Any] = {**self.world.placement(), "resharded_from": resharded_from}
         if resharded_from is not None:
             self.reporter.event(
