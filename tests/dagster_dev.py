@@ -24,6 +24,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class DagsterDev:
     """``dagster dev -w workspace.yaml`` in its own process group, stopped with SIGINT."""
 
@@ -48,6 +52,9 @@ class DagsterDev:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # pytest-xdist workers ignore SIGINT and children inherit that: dagster dev would then
+            # ignore the SIGINT that stops it and sit out stop()'s 30 s before the SIGKILL.
+            preexec_fn=_default_sigint,
         )  # fmt: skip
 
     def wait_until_loaded(self, timeout: float = 120.0) -> None:
