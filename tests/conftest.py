@@ -81,3 +81,13 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'ledger.db'}"
     return request.getfixturevalue("pg_database")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests (real dagster, torchrun, drills) first, in their files' order.
+
+    ``make test`` runs two workers with ``--dist worksteal``: started early, the long tests run
+    beside each other and the short ones fill the gaps, instead of one long test finishing last
+    on one worker while the other sits idle.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -188,8 +188,6 @@ def _all_committed_verify(run_dir: Path) -> int:
     return len(dirs)
 
 
-# Alone, after the parallel tests (`make test`): three processes per launch want both cores.
-@pytest.mark.serial
 @pytest.mark.slow
 def test_kill_one_rank_at_random_moments_then_sigterm_all(
     workdir: Path, config: Path, reference: dict[str, torch.Tensor]
@@ -241,7 +239,6 @@ def test_kill_one_rank_at_random_moments_then_sigterm_all(
     _assert_equal(_final_weights(store, run_id), reference)
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 def test_reshard_two_ranks_to_one_and_one_to_two(workdir: Path, reshard_config: Path) -> None:
     config = reshard_config
@@ -295,8 +292,7 @@ class _Payload:
         return (os.system, ("touch /tmp/tracks-dcp-metadata-pwned",))
 
 
-@pytest.mark.serial  # shares the two-rank reference run with the drill
-@pytest.mark.slow
+@pytest.mark.slow  # shares the two-rank reference run with the drill
 def test_dcp_metadata_is_read_only_through_the_allow_list(
     workdir: Path, reference: dict[str, torch.Tensor]
 ) -> None:

@@ -50,8 +50,8 @@ def test_new_snapshot_registers_partition_and_requests_one_run(settings: TracksS
 
         _age(write_digits_landing(settings.landing_root))
         snapshot_id = snapshot_id_for(settings.landing_root)
-        context = dg.build_sensor_context(instance=instance, resources={"storage": storage})
-        result = new_snapshot(context)
+        with dg.build_sensor_context(instance=instance, resources={"storage": storage}) as context:
+            result = new_snapshot(context)
         assert isinstance(result, dg.SensorResult)
         [request] = result.run_requests
         assert request.partition_key == snapshot_id and request.run_key == snapshot_id
@@ -117,11 +117,13 @@ def _resume_tick(
     with dg.instance_for_test() as instance:
         # Runs launched through Dagster train on a snapshot that is a partition already.
         instance.add_dynamic_partitions("snapshots", list(partitions))
-        context = dg.build_sensor_context(
+        # Entered and left inside the instance's block: a context left to the garbage collector
+        # exits the instance late and puts its state storage back for whichever test runs next.
+        with dg.build_sensor_context(
             instance=instance,
             resources={"ledger": LedgerResource(url=ledger.url), "storage": storage},
-        )
-        return resume_after_preemption(context)
+        ) as context:
+            return resume_after_preemption(context)
 
 
 def test_preempted_attempt_is_resumed_once_with_the_same_run(tmp_path: Path) -> None:
@@ -276,8 +278,8 @@ def test_nightly_retrain_picks_the_newest_snapshot_that_passed_its_checks(
     write_digits_landing(bad_dir, drift=Drift.LABEL_OUT_OF_RANGE)
     good, bad = snapshot_id_for(good_dir), snapshot_id_for(bad_dir)
     with dg.instance_for_test() as instance:
-        context = dg.build_schedule_context(instance=instance)
-        assert isinstance(nightly_retrain(context), dg.SkipReason)
+        with dg.build_schedule_context(instance=instance) as context:
+            assert isinstance(nightly_retrain(context), dg.SkipReason)
         for snapshot_id, landing in ((good, good_dir), (bad, bad_dir)):  # bad is the newest
             instance.add_dynamic_partitions("snapshots", [snapshot_id])
             dg.materialize(
