@@ -334,3 +334,67 @@ def test_gpu_seconds_count_one_accelerator_per_rank() -> None:
     assert _accelerators({"accelerator_count": 0, "world_size": 4}) == 0  # CPU ranks
     assert _accelerators({"accelerator_count": 8, "world_size": 1}) == 8  # one process, all GPUs
     assert _accelerators({"accelerator_count": 8, "world_size": 16}) == 16  # 2 nodes x 8 ranks
+
+
+@pytest.mark.slow
+def test_an_orchestrated_attempt_whose_rank_1_is_killed_names_it_on_the_receipt(
+    tracks_home: Path,
+) -> None:
+    """The Dagster path's receipt, without Dagster: prepare, launch two ranks, SIGKILL rank 1,
+    finish. The receipt and `tracks explain` name rank 1 as the rank that failed first."""
+    from pipeline.attempts import finish_attempt, prepare_attempt
+    from pipeline.data.landing import write_digits_landing
+    from pipeline.data.snapshot import create_snapshot
+    from pipeline.explain import explain
+    from pipeline.ledger import Ledger
+    from pipeline.settings import TracksSettings
+    from pipeline.trainer.config import TrainConfig
+
+    settings = TracksSettings.from_env()
+    settings.ensure_dirs()
+    ledger = Ledger.open(settings.ledger_url)
+    write_digits_landing(settings.landing_root)
+    snapshot = create_snapshot(settings.landing_root, settings.snapshot_root)
+    config = TrainConfig.from_dict(
+        {
+            "seed": 5, "max_steps": 400, "checkpoint_every_steps": 5, "batch_size": 32,
+            "learning_rate": 0.003, "optimizer": "adam", "keep_last_k": 3,
+            "model": {"channels": 4, "hidden": 16}, "snapshot_dir": str(snapshot.path),
+        },
+        source="test",
+    )  # fmt: skip
+    prepared = prepare_attempt(
+        ledger, snapshot=snapshot, train_config=config, work_root=settings.work_root
+    )
+    run_id = prepared.run.run_id
+    store = settings.checkpoint_root
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.distributed.launch", "--nproc-per-node", "2",
+         "--log-dir", str(settings.work_root / "ranks"), "--", *prepared.trainer_args(store)],
+        cwd=REPO, env={**os.environ, **prepared.trainer_env(ledger.url),
+                       "TRACKS_FAULT_SLEEP_AFTER_STEP": "60@12"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while (latest := ledger.latest_committed_checkpoint(run_id)) is None or latest.step < 10:
+            assert process.poll() is None and time.monotonic() < deadline, "no commit at step 10"
+            time.sleep(0.1)
+        time.sleep(0.3)  # both ranks wait in the pause after step 12
+        os.kill(_rank_pids(process.pid)[1], signal.SIGKILL)
+        returncode = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert returncode == 128 + signal.SIGKILL
+    finished = finish_attempt(
+        ledger, prepared, store=store, returncode=returncode, signal_name=None
+    )
+    assert finished.termination.reason == "preempted", finished.termination
+    assert "Rank 1 failed first" in finished.termination.detail, finished.termination.detail
+    assert "SIGKILL" in finished.termination.detail
+    attempt = ledger.get_attempt(run_id, 1)
+    assert attempt.placement["world_size"] == 2
+    page = explain(ledger, run_id)
+    assert "Rank 1 failed first" in page
+    assert "2 ranks" in page or "2 (" in page, page
