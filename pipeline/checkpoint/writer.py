@@ -8,7 +8,9 @@ write. A storage error names the file, keeps its errno, and leaves the directory
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
+import mmap
 import os
 import threading
 import time
@@ -41,6 +43,13 @@ FAULT_SLEEP_DURING_WRITE = "TRACKS_FAULT_SLEEP_DURING_WRITE"  # "seconds@N": pau
 
 _WRITE_SLICE = 64 * 1024 * 1024  # per write(2): large, but under Linux's 2 GiB limit
 _HASH_IN_THREAD_BYTES = 8 * 1024 * 1024  # below this, a thread costs more than it saves
+# Large files bypass the page cache (O_DIRECT): measured on this VM (bench/checkpoint_bench.py,
+# README), 1 GB written + fsynced took 0.29 s and 0.04 s of CPU direct against 2.8 s and 2.5 s
+# of CPU buffered, CPU that a background save otherwise takes from the training thread.
+_DIRECT_MIN_BYTES = 8 * 1024 * 1024
+_DIRECT_ALIGN = 4096  # covers 512- and 4096-byte logical blocks
+_DIRECT_BUFFER = 16 * 1024 * 1024  # the aligned bounce buffer the chunks are gathered into
+_bounce = threading.local()
 
 
 @dataclass(frozen=True)
@@ -187,12 +196,79 @@ def write_chunks(fd: int, chunks: Sequence[memoryview], halfway: Callable[[], No
     return written
 
 
+def write_chunks_direct(
+    fd: int, chunks: Sequence[memoryview], halfway: Callable[[], None] | None
+) -> int:
+    """Like :func:`write_chunks`, on a descriptor opened with O_DIRECT.
+
+    O_DIRECT wants aligned addresses, lengths and offsets, which tensors laid end to end are
+    not: the chunks are gathered into an aligned bounce buffer that is written whole. The last
+    block is padded with zeros and the file truncated back to its size. ``halfway`` is called
+    once the first half of the bytes (rounded down to a block) are on the disk.
+    """
+    bounce = getattr(_bounce, "buffer", None)
+    if bounce is None:
+        # One per thread (an async writer and the trainer may write at once); an anonymous
+        # mapping is page-aligned, so every slice at a block multiple is aligned too.
+        bounce = _bounce.buffer = mmap.mmap(-1, _DIRECT_BUFFER)
+    out = memoryview(bounce)
+    size = sum(len(c) for c in chunks)
+    half = size // 2 // _DIRECT_ALIGN * _DIRECT_ALIGN if halfway is not None else -1
+    written = filled = 0
+
+    def flush(length: int) -> None:
+        nonlocal written, filled
+        done = 0
+        while done < length:
+            done += os.write(fd, out[done:length])
+        written += length
+        filled = 0
+
+    for chunk in chunks:
+        view = chunk
+        while len(view):
+            room = _DIRECT_BUFFER - filled
+            if written < half:
+                room = min(room, half - written - filled)  # flush exactly at the half
+            count = min(room, len(view))
+            out[filled : filled + count] = view[:count]
+            filled += count
+            view = view[count:]
+            if filled == _DIRECT_BUFFER or written + filled == half:
+                flush(filled)
+                if written == half and halfway is not None:
+                    halfway()
+                    halfway = None
+    if filled:
+        padded = -(-filled // _DIRECT_ALIGN) * _DIRECT_ALIGN
+        out[filled:padded] = bytes(padded - filled)
+        flush(padded)
+        os.ftruncate(fd, size)
+    if halfway is not None:
+        halfway()
+    return size
+
+
+def _direct(fd: int) -> bool:
+    """Switch ``fd`` to O_DIRECT; False where the filesystem does not support it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
 def write_chunks_durably(
     path: Path, chunks: Sequence[memoryview], *, halfway: Callable[[], None] | None = None
 ) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        size = write_chunks(fd, chunks, halfway)
+        # Set after the create, not in open(2): an open refused for O_DIRECT could leave the
+        # file created, and O_EXCL would then refuse the buffered retry.
+        if sum(len(c) for c in chunks) >= _DIRECT_MIN_BYTES and _direct(fd):
+            size = write_chunks_direct(fd, chunks, halfway)
+        else:
+            size = write_chunks(fd, chunks, halfway)
         os.fsync(fd)
     except OSError as exc:
         if exc.filename is None:  # write(2) and fsync(2) errors carry no file name
