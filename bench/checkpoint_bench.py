@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--save-every", type=int, default=10, help="steps between saves in (d)")
-    parser.add_argument("--hash-workers", type=int, default=1)
+    parser.add_argument("--hash-workers", type=int, default=0, help="0: hash inline (default)")
     parser.add_argument("--dir", type=Path, help="where to write (default: a temp dir)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

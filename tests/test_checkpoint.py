@@ -579,7 +579,8 @@ def test_large_files_are_written_byte_for_byte_and_the_fault_hook_sees_half(
 ) -> None:
     """Large files go through an aligned bounce buffer with O_DIRECT: chunks of odd sizes end
     up byte for byte in the file (the padded last block truncated away), and the halfway hook
-    runs with the first half (whole blocks) on disk, as on the buffered path."""
+    runs with the first half (whole blocks) on disk, as on the buffered path. The digest fed
+    while writing is the digest of the file."""
     if not direct:
         monkeypatch.setattr(checkpoint_writer, "_direct", lambda fd: False)
     calls: list[int] = []
@@ -587,7 +588,7 @@ def test_large_files_are_written_byte_for_byte_and_the_fault_hook_sees_half(
     monkeypatch.setattr(
         checkpoint_writer,
         "write_chunks_direct",
-        lambda fd, chunks, halfway: calls.append(fd) or real(fd, chunks, halfway),
+        lambda fd, *args: calls.append(fd) or real(fd, *args),
     )
     generator = torch.Generator().manual_seed(0)
     sizes = [13, 4096, 7 * 1024 * 1024 + 5, 1, 9 * 1024 * 1024 + 4093, 300_001]
@@ -603,7 +604,10 @@ def test_large_files_are_written_byte_for_byte_and_the_fault_hook_sees_half(
         seen.append(path.stat().st_size)
         assert path.read_bytes() == expected[: seen[-1]]
 
-    assert checkpoint_writer.write_chunks_durably(path, chunks, halfway=halfway) == len(expected)
+    digest = blake3.blake3()
+    written = checkpoint_writer.write_chunks_durably(path, chunks, halfway=halfway, digest=digest)
+    assert written == len(expected)
     assert path.read_bytes() == expected
+    assert digest.hexdigest() == blake3.blake3(expected).hexdigest()  # hashed inline, no padding
     assert len(calls) == (1 if direct else 0)
     assert len(seen) == 1 and 0 <= len(expected) // 2 - seen[0] < (4096 if direct else 1)

@@ -102,8 +102,9 @@ class CheckpointConfig:
     keep_best_k: int = 0
     best_metric: str | None = None
     best_mode: Literal["min", "max"] = "min"
-    # Threads hashing large files while the writer writes them (model and optimizer apart).
-    hash_workers: int = 1
+    # 0: the writer hashes each slice right before writing it (no second busy thread beside
+    # training: (d) in bench/checkpoint_bench.py). >= 1: threads hash large files meanwhile.
+    hash_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.hash_workers < 0:

@@ -34,7 +34,7 @@ from pipeline.checkpoint.layout import (
 )
 from pipeline.checkpoint.state import StagedCheckpoint
 from pipeline.checkpoint.tensorfile import safetensors_chunks
-from pipeline.digests import FILE_DIGEST, new_hasher, sha256_bytes
+from pipeline.digests import FILE_DIGEST, Hasher, new_hasher, sha256_bytes
 
 # Test hooks, both "N" or "seconds@N" (N: the checkpoint's step), acting halfway through
 # optimizer.safetensors, so the directory holds a complete file and a half-written one.
@@ -105,25 +105,33 @@ def write_checkpoint_files(
 ) -> WrittenCheckpoint:
     """Write and fsync every file, then MANIFEST.json (name, size, digest of each file).
 
-    ``hash_workers`` threads hash the large files while this thread writes them. An OSError
-    is re-raised naming the file it happened to, with its errno (ENOSPC stays ENOSPC).
+    With ``hash_workers`` 0 (the default) each file is hashed on this thread, slice by slice,
+    right before the slice is written: cache-hot, and never two busy threads beside a training
+    loop on a small machine. ``hash_workers`` >= 1 threads hash the large files while this
+    thread writes them (for machines with cores to spare). An OSError is re-raised naming the
+    file it happened to, with its errno (ENOSPC stays ENOSPC).
     """
     try:
         directory.mkdir(parents=True, exist_ok=False)
     except OSError as exc:
         raise naming_step(exc, directory, staged.step) from exc
     contents = serialize_staged(staged)
-    digests = _Hashers(contents, hash_workers)
+    digests = _Hashers(contents, hash_workers) if hash_workers >= 1 else None
+    inline: dict[str, Hasher] = {}
     files: list[dict[str, Any]] = []
     try:
         for name, chunks in contents.items():
             halfway = _fault_halfway(staged.step) if name == OPTIMIZER_FILE else None
-            size = write_chunks_durably(directory / name, chunks, halfway=halfway)
+            digest = inline[name] = new_hasher(FILE_DIGEST)
+            size = write_chunks_durably(
+                directory / name, chunks, halfway=halfway, digest=None if digests else digest
+            )
             files.append({"name": name, "size": size})
     except OSError as exc:
         raise naming_step(exc, exc.filename or directory, staged.step) from exc
     finally:
-        computed = digests.join()  # never leave a thread reading buffers the caller will reuse
+        # Never leave a thread reading buffers the caller will reuse.
+        computed = digests.join() if digests else {n: d.hexdigest() for n, d in inline.items()}
     for entry in files:
         entry.update(algorithm=FILE_DIGEST.value, digest=computed[entry["name"]])
     manifest = {
@@ -172,10 +180,16 @@ def commit_checkpoint_dir(written: WrittenCheckpoint, *, fencing_token: int | No
     return payload
 
 
-def write_chunks(fd: int, chunks: Sequence[memoryview], halfway: Callable[[], None] | None) -> int:
+def write_chunks(
+    fd: int,
+    chunks: Sequence[memoryview],
+    halfway: Callable[[], None] | None,
+    digest: Hasher | None = None,
+) -> int:
     """write(2) every buffer in full (large slices, short writes retried); returns the size.
 
-    ``halfway``, when given, is called once half of the bytes are written (a fault hook).
+    ``halfway``, when given, is called once half of the bytes are written (a fault hook);
+    ``digest``, when given, is fed every slice as it is written.
     """
     half = sum(len(c) for c in chunks) // 2
     written = 0
@@ -189,6 +203,8 @@ def write_chunks(fd: int, chunks: Sequence[memoryview], halfway: Callable[[], No
             if halfway is not None:
                 limit = min(limit, half - written)
             count = os.write(fd, view[:limit])
+            if digest is not None:
+                digest.update(view[:count])
             written += count
             view = view[count:]
     if halfway is not None:
@@ -197,14 +213,18 @@ def write_chunks(fd: int, chunks: Sequence[memoryview], halfway: Callable[[], No
 
 
 def write_chunks_direct(
-    fd: int, chunks: Sequence[memoryview], halfway: Callable[[], None] | None
+    fd: int,
+    chunks: Sequence[memoryview],
+    halfway: Callable[[], None] | None,
+    digest: Hasher | None = None,
 ) -> int:
     """Like :func:`write_chunks`, on a descriptor opened with O_DIRECT.
 
     O_DIRECT wants aligned addresses, lengths and offsets, which tensors laid end to end are
     not: the chunks are gathered into an aligned bounce buffer that is written whole. The last
     block is padded with zeros and the file truncated back to its size. ``halfway`` is called
-    once the first half of the bytes (rounded down to a block) are on the disk.
+    once the first half of the bytes (rounded down to a block) are on the disk; ``digest`` is
+    fed each gathered slice (not the padding) while it is still in the cache, before its write.
     """
     bounce = getattr(_bounce, "buffer", None)
     if bounce is None:
@@ -218,6 +238,8 @@ def write_chunks_direct(
 
     def flush(length: int) -> None:
         nonlocal written, filled
+        if digest is not None:
+            digest.update(out[:filled])
         done = 0
         while done < length:
             done += os.write(fd, out[done:length])
@@ -259,16 +281,20 @@ def _direct(fd: int) -> bool:
 
 
 def write_chunks_durably(
-    path: Path, chunks: Sequence[memoryview], *, halfway: Callable[[], None] | None = None
+    path: Path,
+    chunks: Sequence[memoryview],
+    *,
+    halfway: Callable[[], None] | None = None,
+    digest: Hasher | None = None,
 ) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         # Set after the create, not in open(2): an open refused for O_DIRECT could leave the
         # file created, and O_EXCL would then refuse the buffered retry.
         if sum(len(c) for c in chunks) >= _DIRECT_MIN_BYTES and _direct(fd):
-            size = write_chunks_direct(fd, chunks, halfway)
+            size = write_chunks_direct(fd, chunks, halfway, digest)
         else:
-            size = write_chunks(fd, chunks, halfway)
+            size = write_chunks(fd, chunks, halfway, digest)
         os.fsync(fd)
     except OSError as exc:
         if exc.filename is None:  # write(2) and fsync(2) errors carry no file name
