@@ -122,7 +122,12 @@ def training_attempt(
     trainer: TrainerLauncherResource,
     mlflow: MlflowResource,
 ) -> dg.MaterializeResult:
-    from pipeline.attempts import AttemptRefusedError, finish_attempt, prepare_attempt
+    from pipeline.attempts import (
+        AttemptRefusedError,
+        PreparedAttempt,
+        finish_attempt,
+        prepare_attempt,
+    )
     from pipeline.data.errors import DataError
     from pipeline.data.gate import ensure_checks_passed
     from pipeline.data.snapshot import open_snapshot
@@ -143,7 +148,9 @@ def training_attempt(
     except DataError as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
     try:
-        trainer.world()  # a bad backend or rank count is refused before an attempt is opened
+        # A bad backend, rank count or Kubernetes field (an inline credential included) is
+        # refused before an attempt is opened.
+        trainer.world(PreparedAttempt.trainer_env(book.url, mlflow.tracking_uri))
     except ValueError as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
     try:
@@ -196,6 +203,9 @@ def training_attempt(
             signal_name=outcome.signal_name if outcome else None,
             cancelled=interrupted,
             cpu_seconds=_children_cpu_seconds() - cpu_before,
+            # Kubernetes: what the cluster saw (eviction, OOMKilled) and where rank 0 ran.
+            observed=outcome.observed if outcome else None,
+            placement=outcome.placement if outcome else None,
         )
 
     story = dg.MetadataValue.md(explain(book, attempt.key))

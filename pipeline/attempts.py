@@ -7,6 +7,7 @@ how the trainer process is launched and how it ended.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,8 +21,11 @@ from pipeline.data.snapshot import Snapshot
 from pipeline.environment import code_commit, container_digest, placement
 from pipeline.ledger import AttemptRecord, AttemptStart, CheckpointRecord, Ledger, RunRecord
 from pipeline.reasons import (
+    AttemptEvidence,
+    ObservedEnding,
     Termination,
     classify_exit,
+    classify_observed,
     oom_kills_since,
     read_cgroup_oom_kills,
     read_last_words,
@@ -243,14 +247,22 @@ def finish_attempt(
     signal_name: str | None,
     cancelled: bool = False,
     cpu_seconds: float = 0.0,
+    observed: ObservedEnding | None = None,
+    placement: Mapping[str, Any] | None = None,
 ) -> FinishedAttempt:
-    """Classify how the trainer ended, close the receipt, and record the retry decision."""
+    """Classify how the trainer ended, close the receipt, and record the retry decision.
+
+    ``observed`` is what the platform running the trainer saw (a Kubernetes pod's status: an
+    eviction, an ``OOMKilled`` container, a pod that never ran); it is merged with what is read
+    here (last words, the last committed step) by :func:`~pipeline.reasons.classify_observed`.
+    ``placement`` adds where the trainer ran (pod, node, workload, image) to the receipt.
+    """
     from pipeline.trainer.attempt import last_words_path
 
     run_id, attempt_no = prepared.run.run_id, prepared.attempt.attempt_no
     latest = ledger.latest_committed_checkpoint(run_id)
     last_step = latest.step if latest else None
-    words = read_last_words(last_words_path(store, run_id, attempt_no))
+    words = rank0_words = read_last_words(last_words_path(store, run_id, attempt_no))
     first_failure = _first_failed_rank(store, run_id, attempt_no)
     if first_failure is not None and first_failure.get("rank"):
         # Rank 0's last words describe what it saw (a peer gone); the rank that failed first
@@ -259,28 +271,46 @@ def finish_attempt(
             last_words_path(store, run_id, attempt_no, rank=int(first_failure["rank"]))
         )
     # Evidence first: a trainer that caught SIGTERM exits 75 on its own, so the process shows no
-    # signal, but its last words name the one it received; they also name the step it reached.
+    # signal, but its last words name the one it received; they also name the step it reached
+    # (the ranks step together: the furthest any of them says it got is the attempt's).
     signal_name = signal_name or _words_field(words, "signal", str)
-    reached = _words_field(words, "step", int)
+    steps = [_words_field(w, "step", int) for w in (words, rank0_words)]
+    reached = max((s for s in steps if s is not None), default=None)
     if reached is not None and (last_step is None or reached > last_step):
         last_step = reached
     wall = (datetime.now(UTC) - prepared.attempt.started_at).total_seconds()
-    termination = classify_exit(
-        returncode=-1 if returncode is None else returncode,
-        signal_name=signal_name,
-        last_words=words,
-        cancelled=cancelled,
-        last_committed_step=last_step,
-        cgroup_oom_kills=oom_kills_since(prepared.oom_kills_before),
-        wall_seconds=wall,
-        max_wall_seconds=prepared.train_config.max_wall_seconds,
-    )
+    if observed is None:
+        termination = classify_exit(
+            returncode=-1 if returncode is None else returncode,
+            signal_name=signal_name,
+            last_words=words,
+            cancelled=cancelled,
+            last_committed_step=last_step,
+            cgroup_oom_kills=oom_kills_since(prepared.oom_kills_before),
+            wall_seconds=wall,
+            max_wall_seconds=prepared.train_config.max_wall_seconds,
+        )
+    else:
+        # The trainer ran elsewhere: this process's cgroup says nothing about its memory.
+        termination = classify_observed(
+            observed,
+            AttemptEvidence(
+                signal=signal_name,
+                last_words=words,
+                cancelled=cancelled,
+                last_committed_step=last_step,
+                wall_seconds=wall,
+                max_wall_seconds=prepared.train_config.max_wall_seconds,
+            ),
+        )
     if first_failure is not None:
         termination = replace(
             termination,
             detail=f"{termination.detail} Rank {first_failure.get('rank')} failed first: "
-            f"{first_failure.get('detail')}",
+            f"{str(first_failure.get('detail')).rstrip('.')}.",
         )
+    if placement:
+        ledger.merge_placement(run_id, attempt_no, dict(placement))
     accelerators = _accelerators(ledger.get_attempt(run_id, attempt_no).placement or {})
     ended = ledger.end_attempt(
         run_id,

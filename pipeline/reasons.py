@@ -452,6 +452,52 @@ def classify(evidence: AttemptEvidence) -> Termination:
     )
 
 
+@dataclass(frozen=True)
+class ObservedEnding:
+    """What the platform that ran the trainer saw of its end: a Kubernetes pod's status.
+
+    ``evidence`` is the platform's share of an :class:`AttemptEvidence` (exit code, signal, an
+    OOM kill, a lost node, the launcher's termination message as last words); ``termination`` is
+    the platform's own verdict on it. ``decisive`` says that verdict stands whatever else is
+    known, because no exit code or last words carry those facts: an ``OOMKilled`` container
+    (torchrun's agent then exits 1), an evicted or preempted pod, a pod that never ran or
+    vanished. Otherwise the evidence is classified again with what the orchestrator knows.
+    """
+
+    evidence: AttemptEvidence
+    termination: Termination
+    decisive: bool = False
+
+
+def classify_observed(observed: ObservedEnding, known: AttemptEvidence) -> Termination:
+    """One reason from what the platform observed and what the orchestrator read itself.
+
+    ``known`` holds the orchestrator's facts: the trainer's last words (from the shared store),
+    the ledger's last committed step, wall time and its limit, whether a person cancelled.
+    """
+    platform = observed.evidence
+    if observed.decisive and not known.cancelled:
+        where = _where(known)
+        return Termination(
+            observed.termination.reason,
+            f"{_sentence(observed.termination.detail)} {_sentence(where[0].upper() + where[1:])}",
+        )
+    merged = replace(
+        platform,
+        # The trainer's own words beat the launcher's summary of them in the termination message.
+        last_words=known.last_words or platform.last_words,
+        signal=platform.signal or known.signal,
+        cancelled=known.cancelled,
+        last_committed_step=known.last_committed_step,
+        wall_seconds=known.wall_seconds,
+        max_wall_seconds=known.max_wall_seconds,
+    )
+    try:
+        return classify(merged)
+    except InsufficientEvidenceError:
+        return observed.termination  # the platform's verdict is all there is
+
+
 def classify_exit(
     *,
     returncode: int,

@@ -27,6 +27,7 @@ from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster_k8s.pipes import PipesK8sPodLogsMessageReader
 from kubernetes.client.exceptions import ApiException
 
+from pipeline import redact
 from pipeline.kube import endings
 from pipeline.kube.render import (
     COMPLETION_INDEX_ANNOTATION,
@@ -39,7 +40,7 @@ from pipeline.kube.render import (
     render,
 )
 from pipeline.kube.spec import REPLICATED_JOB_NAME, Backend, TrainerSpec
-from pipeline.reasons import AttemptEvidence
+from pipeline.reasons import AttemptEvidence, ObservedEnding, Termination
 from pipeline.states import TerminationReason
 
 _CRD = {
@@ -49,7 +50,15 @@ _CRD = {
 
 
 class TrainerLaunchError(RuntimeError):
-    """The trainer's Kubernetes objects could not be created; names the object and the reason."""
+    """The trainer's Kubernetes objects could not be created; names the object and the reason.
+
+    ``status`` is the API server's HTTP status (403: RBAC, 404: no such kind, so the operator is
+    missing; 422: admission refused the object; 5xx: the API server itself).
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -74,10 +83,51 @@ class KubeTrainerExit:
     node_name: str | None = None
     termination_message: Mapping[str, Any] | str | None = None
     evidence: AttemptEvidence = field(default_factory=AttemptEvidence)
+    image: str = ""
+    image_digest: str | None = None  # when the image is pinned by digest
+    oom_killed: bool = False  # the kubelet said OOMKilled on the trainer container
+    disruption: str | None = None  # the platform's words when it took the pod away (redacted)
 
     @property
     def succeeded(self) -> bool:
         return self.returncode == 0 and self.reason == TerminationReason.SUCCEEDED
+
+    @property
+    def kind(self) -> str:
+        """The workload's kind: TrainJob, JobSet or Job."""
+        return "Job" if self.backend == Backend.INDEXED_JOB else _CRD[self.backend][3]
+
+    def placement(self) -> dict[str, Any]:
+        """Where rank 0 ran, in the keys of the attempt's placement; unknown facts left out."""
+        facts = {
+            "launcher": "kubernetes",
+            "namespace": self.namespace or None,
+            "workload": f"{self.kind}/{self.workload}" if self.workload else None,
+            "pod": self.pod_name,
+            "node": self.node_name,
+            "image": self.image or None,
+            # Only a digest names what ran; a tag can be moved to another image later.
+            "image_digest": self.image_digest,
+        }
+        return {key: value for key, value in facts.items() if value is not None}
+
+    def observed(self) -> ObservedEnding:
+        """This ending as evidence for the attempt's receipt (``finish_attempt(observed=…)``)."""
+        # Facts only the cluster has decide: an OOM kill (torchrun's agent exits 1 after it),
+        # a pod taken away before it could exit cleanly, or no container exit seen at all.
+        decisive = (
+            self.returncode is None
+            or self.oom_killed
+            or (self.disruption is not None and self.returncode != 0)
+        )
+        detail = self.detail
+        if self.disruption and self.returncode != 0 and self.disruption[:60] not in detail:
+            # The launcher's verdict was kept (a graceful save on SIGTERM); say who sent it.
+            took = self.disruption.rstrip(".")
+            detail = f"{detail.rstrip('.')}. The platform took the pod away ({took})."
+        return ObservedEnding(
+            evidence=self.evidence, termination=Termination(self.reason, detail), decisive=decisive
+        )
 
 
 @dataclass(frozen=True)
@@ -169,7 +219,7 @@ class TrainJobPipesClient(dg.PipesClient):
                 # Inside the try: a run terminated mid-create must not leave half a workload.
                 self._create(spec, backend, objs)
                 context.log.info(f"created {backend.value} {spec.namespace}/{spec.name}")
-                ending, started = self._follow(context, spec, backend, reader)
+                ending, started, disruption = self._follow(context, spec, backend, reader)
             except DagsterExecutionInterruptedError:
                 context.log.info(
                     f"run terminated: stopping {backend.value} {spec.name} so its trainers "
@@ -186,7 +236,9 @@ class TrainJobPipesClient(dg.PipesClient):
                 self._stop(spec, backend)
             if self.delete_on_completion:
                 self._delete(spec, backend)
-        outcome = self._outcome(ending, spec, backend, list(session.get_custom_messages()))
+        outcome = self._outcome(
+            ending, spec, backend, list(session.get_custom_messages()), disruption
+        )
         context.log.info(f"rank 0 of {spec.name} ended: {outcome.reason} ({outcome.detail})")
         return dg.PipesClientCompletedInvocation(session), outcome
 
@@ -211,7 +263,8 @@ class TrainJobPipesClient(dg.PipesClient):
                 self._delete(spec, backend)
                 raise TrainerLaunchError(
                     f"creating {obj['kind']} {spec.namespace}/{spec.name} failed: "
-                    f"{error.status} {error.reason}: {_api_message(error)}"
+                    f"{error.status} {error.reason}: {_api_message(error)}",
+                    status=error.status,
                 ) from None
 
     def _adopt_service(self, spec: TrainerSpec, job: Any) -> None:
@@ -238,10 +291,12 @@ class TrainJobPipesClient(dg.PipesClient):
         spec: TrainerSpec,
         backend: Backend,
         reader: PipesK8sPodLogsMessageReader,
-    ) -> tuple[endings.PodEnding | _NoPod, bool]:
+    ) -> tuple[endings.PodEnding | _NoPod, bool, str | None]:
+        """Rank 0's ending, whether it ever started, and the platform's words if it took the
+        pod away (an eviction, a node shutdown)."""
         pod = self._wait_for_rank0(spec, backend)
         if isinstance(pod, _NoPod):
-            return pod, False
+            return pod, False, None
         name = pod["metadata"]["name"]
         context.log.info(f"rank 0 is pod {spec.namespace}/{name}; reading its Pipes messages")
         if _ran(pod):
@@ -254,11 +309,13 @@ class TrainJobPipesClient(dg.PipesClient):
                 current = self.apis.core.read_namespaced_pod(name, spec.namespace)
             except ApiException as error:
                 if error.status == 404:
-                    return endings.lost_pod(name, "the pod was deleted"), True
+                    return endings.lost_pod(name, "the pod was deleted"), True, None
                 raise
             pod = self._as_dict(current)
             if endings.is_finished(pod):
-                return endings.classify_pod(pod), True
+                disruption = endings.disruption(pod)
+                said = redact.text(disruption)[:300] if disruption else None
+                return endings.classify_pod(pod), True, said
             self.sleeper(self.poll_interval)
 
     def _wait_for_rank0(self, spec: TrainerSpec, backend: Backend) -> dict[str, Any] | _NoPod:
@@ -387,12 +444,15 @@ class TrainJobPipesClient(dg.PipesClient):
         spec: TrainerSpec,
         backend: Backend,
         custom_messages: list[Any],
+        disruption: str | None = None,
     ) -> KubeTrainerExit:
         common = {
             "custom_messages": custom_messages,
             "backend": backend,
             "workload": spec.name,
             "namespace": spec.namespace,
+            "image": spec.image,
+            "image_digest": spec.image_digest,
         }
         if isinstance(ending, _NoPod):
             return KubeTrainerExit(
@@ -412,6 +472,8 @@ class TrainJobPipesClient(dg.PipesClient):
             node_name=ending.node_name,
             termination_message=message,
             evidence=ending.evidence,
+            oom_killed=ending.oom_killed,
+            disruption=disruption,
             **common,
         )
 

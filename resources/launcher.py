@@ -9,6 +9,7 @@ only after the grace period.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -16,24 +17,48 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 from dagster._core.errors import DagsterExecutionInterruptedError
 
+from pipeline import redact
+from pipeline.kube.spec import (
+    Backend,
+    InvalidTrainerSpecError,
+    NodeResources,
+    TrainerSpec,
+    trainer_name,
+)
+from pipeline.reasons import AttemptEvidence, ObservedEnding, Termination
+from pipeline.states import TerminationReason
+
+if TYPE_CHECKING:
+    # Imported when used: the kubernetes client is slow to load and only this backend needs it.
+    from resources.kube_pipes import TrainJobPipesClient
+
 
 @dataclass(frozen=True)
 class TrainerExit:
-    """How the trainer process ended, and what it said through Pipes on the way."""
+    """How the trainer ended, and what it said through Pipes on the way.
 
-    returncode: int
+    ``returncode`` is None when no exit was seen (a Kubernetes pod that never ran or vanished).
+    ``observed`` and ``placement`` come from the Kubernetes backend: what the cluster saw of the
+    ending (``finish_attempt(observed=…)``) and where rank 0 ran (the receipt's placement).
+    """
+
+    returncode: int | None
     signal_name: str | None
     custom_messages: list[Any] = field(default_factory=list)
     interrupted: bool = False
+    observed: ObservedEnding | None = None
+    placement: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def succeeded(self) -> bool:
-        return self.returncode == 0
+        said = self.observed.termination.reason if self.observed else TerminationReason.SUCCEEDED
+        return self.returncode == 0 and said == TerminationReason.SUCCEEDED
 
 
 def _signal_name(returncode: int) -> str | None:
@@ -114,44 +139,186 @@ class TrainerBackend(StrEnum):
 
     LOCAL = "local"  # one process, a subprocess of the step
     TORCHRUN = "torchrun"  # nproc_per_node ranks on this machine, under torchrun's agent
+    KUBERNETES = "kubernetes"  # nnodes pods x nproc_per_node ranks (docs/kubernetes.md)
+
+
+class TrainerConfigError(ValueError):
+    """A value in ``resources.trainer.config`` that cannot run; ``field`` names the key."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        self.field = field_name
+        super().__init__(message)
+
+
+class SecretKeyRef(dg.Config):
+    """One key of a Kubernetes Secret in the trainer's namespace."""
+
+    secret: str
+    """The Secret's name."""
+    key: str
+    """The key inside it whose value becomes the variable."""
+
+
+# TrainerSpec fields whose config key has another name here.
+_CONFIG_KEY = {
+    "resources.cpu": "cpu",
+    "resources.memory": "memory",
+    "resources.gpus": "gpus",
+    "resources.gpu_resource": "gpu_resource",
+}
+# world() checks the spec before the attempt whose run id names the workload exists.
+_PLACEHOLDER_RUN = "config-check"
 
 
 class TrainerLauncherResource(dg.ConfigurableResource):
-    """Where and how the trainer runs: a subprocess of the step, or N ranks under torchrun.
+    """Where and how the trainer runs: a subprocess of the step, N ranks under torchrun, or
+    ``nnodes`` pods of N ranks on Kubernetes.
 
     Chosen per run in the run config (``resources: trainer: config: {backend: torchrun,
-    nproc_per_node: 2}``); nothing else about the assets changes. The Kubernetes backend is
-    :class:`resources.kube_pipes.TrainJobPipesClient` (see docs/kubernetes.md).
+    nproc_per_node: 2}``); nothing else about the assets changes. ``backend: kubernetes``
+    creates a TrainJob, JobSet or Indexed Job through
+    :class:`resources.kube_pipes.TrainJobPipesClient` and needs the fields below the line; the
+    step pod and the trainer pods must mount the same ``checkpoint_pvc`` at the same
+    ``checkpoint_mount_path``, with the step's storage roots (``TRACKS_HOME``) under it, so the
+    paths in the trainer's arguments resolve in both (docs/kubernetes.md).
     """
 
     python_executable: str = sys.executable
     termination_grace_seconds: float = 30.0
     backend: str = TrainerBackend.LOCAL.value
     nproc_per_node: int = 1
+    # -- backend: kubernetes -------------------------------------------------------------------
+    image: str | None = None
+    """The trainer's image, pinned by digest (repo@sha256:…) or a release tag; never latest."""
+    namespace: str = "default"
+    nnodes: int = 1
+    workload: str = Backend.TRAINJOB.value
+    """Which objects run the trainer: trainjob (Kubeflow Trainer), jobset, or indexed_job."""
+    checkpoint_pvc: str | None = None
+    """The ReadWriteMany claim the step pod also mounts: checkpoints, configs, snapshots."""
+    checkpoint_mount_path: str = TrainerSpec.checkpoint_mount_path
+    """Where both the step pod and the trainer pods mount ``checkpoint_pvc``."""
+    service_account: str | None = None
+    cpu: str = NodeResources.cpu
+    memory: str = NodeResources.memory
+    gpus: int = NodeResources.gpus
+    """Per node (pod); a rank per GPU is usual, so nproc_per_node = gpus."""
+    gpu_resource: str = NodeResources.gpu_resource
+    secret_env: dict[str, SecretKeyRef] = {}
+    """Trainer variables read from Secrets, e.g. ``TRACKS_LEDGER_URL: {secret: tracks-ledger,
+    key: url}``; their inline values are dropped, so no password lands in a manifest."""
+    runtime: str = TrainerSpec.runtime
+    """The ClusterTrainingRuntime of a TrainJob (a copy with a longer grace period, say)."""
+    shm_size: str | None = TrainerSpec.shm_size
+    poll_interval_seconds: float = 5.0
+    pod_start_timeout_seconds: float = 3600.0
+    """How long rank 0 may stay unscheduled or pulling (time queued in Kueue counts)."""
 
-    def world(self) -> tuple[TrainerBackend, int]:
-        """The backend and the number of ranks, checked (a clear error for a bad run config)."""
+    def world(self, env: Mapping[str, str] | None = None) -> tuple[TrainerBackend, int]:
+        """The backend and the number of ranks, checked (a clear error for a bad run config).
+
+        For Kubernetes the whole trainer spec is built and validated, with ``env`` (the
+        attempt's environment) when given, so an inline credential is refused here too.
+        Raises :class:`TrainerConfigError` naming the config key.
+        """
         try:
             backend = TrainerBackend(self.backend)
         except ValueError:
             choices = ", ".join(b.value for b in TrainerBackend)
-            raise ValueError(
-                f"resources.trainer.config.backend is {self.backend!r}; choose one of {choices}"
+            raise TrainerConfigError(
+                "backend",
+                f"resources.trainer.config.backend is {self.backend!r}; choose one of {choices}",
             ) from None
         if not 1 <= self.nproc_per_node <= 64:
-            raise ValueError(
+            raise TrainerConfigError(
+                "nproc_per_node",
                 f"resources.trainer.config.nproc_per_node is {self.nproc_per_node}; "
-                "it must be between 1 and 64"
+                "it must be between 1 and 64",
             )
         if backend is TrainerBackend.LOCAL and self.nproc_per_node != 1:
-            raise ValueError(
+            raise TrainerConfigError(
+                "nproc_per_node",
                 "resources.trainer.config.nproc_per_node > 1 needs backend: torchrun "
-                "(the local backend runs one process)"
+                "(the local backend runs one process)",
             )
-        return backend, self.nproc_per_node
+        if backend is not TrainerBackend.KUBERNETES:
+            if self.nnodes != 1:
+                raise TrainerConfigError(
+                    "nnodes",
+                    f"resources.trainer.config.nnodes is {self.nnodes}; more than one node "
+                    f"needs backend: kubernetes ({backend.value} runs on this machine)",
+                )
+            return backend, self.nproc_per_node
+        self.trainer_spec(trainer_name(_PLACEHOLDER_RUN, 1, max(self.nnodes, 1)), env=env)
+        for key in ("poll_interval_seconds", "pod_start_timeout_seconds"):
+            if not getattr(self, key) > 0:
+                raise TrainerConfigError(
+                    key, f"resources.trainer.config.{key} is {getattr(self, key)}; it must be > 0"
+                )
+        return backend, self.nnodes * self.nproc_per_node
+
+    def trainer_spec(
+        self, name: str, args: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> TrainerSpec:
+        """The Kubernetes :class:`TrainerSpec` this config describes, validated there.
+
+        Variables named in ``secret_env`` render as ``secretKeyRef`` and their inline values
+        in ``env`` are dropped; any other inline value that looks like a credential is refused
+        naming the variable (never its value) and the ``secret_env`` key to set.
+        """
+        if not self.image:
+            raise TrainerConfigError(
+                "image",
+                "resources.trainer.config.image is required for backend: kubernetes (the "
+                "trainer's image, pinned by digest repo@sha256:… or a release tag)",
+            )
+        if self.checkpoint_pvc is None:
+            raise TrainerConfigError(
+                "checkpoint_pvc",
+                "resources.trainer.config.checkpoint_pvc is required for backend: kubernetes: "
+                "the step and the trainer pods share checkpoints, configs and snapshots through "
+                "that claim (ReadWriteMany), mounted at checkpoint_mount_path in both",
+            )
+        try:
+            Backend(self.workload)
+        except ValueError:
+            choices = ", ".join(b.value for b in Backend)
+            raise TrainerConfigError(
+                "workload",
+                f"resources.trainer.config.workload is {self.workload!r}; choose one of {choices}",
+            ) from None
+        secret_env = {var: (ref.secret, ref.key) for var, ref in self.secret_env.items()}
+        inline = {var: value for var, value in (env or {}).items() if var not in secret_env}
+        try:
+            return TrainerSpec(
+                name=name,
+                image=self.image,
+                args=tuple(args),
+                namespace=self.namespace,
+                nnodes=self.nnodes,
+                nproc_per_node=self.nproc_per_node,
+                resources=NodeResources(
+                    cpu=self.cpu, memory=self.memory, gpus=self.gpus, gpu_resource=self.gpu_resource
+                ),
+                env=inline,
+                secret_env=secret_env,
+                checkpoint_pvc=self.checkpoint_pvc,
+                checkpoint_mount_path=self.checkpoint_mount_path,
+                shm_size=self.shm_size,
+                # The spec counts whole seconds; rounding up never cuts a final save short.
+                termination_grace_seconds=math.ceil(self.termination_grace_seconds),
+                service_account=self.service_account,
+                runtime=self.runtime,
+            )
+        except InvalidTrainerSpecError as error:
+            raise _config_error(error) from None
 
     def trainer_command(self, *args: str, log_dir: str | None = None) -> list[str]:
         backend, nproc = self.world()
+        if backend is TrainerBackend.KUBERNETES:
+            raise TrainerConfigError(
+                "backend", "backend: kubernetes has no local command; launch() creates pods"
+            )
         if backend is TrainerBackend.LOCAL:
             return [self.python_executable, "-m", "pipeline.trainer", *args]
         launch = [self.python_executable, "-m", "pipeline.distributed.launch"]
@@ -168,7 +335,15 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         env: Mapping[str, str] | None = None,
         extras: Mapping[str, Any] | None = None,
         log_dir: str | None = None,
-    ) -> tuple[dg.PipesClientCompletedInvocation, TrainerExit]:
+    ) -> tuple[dg.PipesClientCompletedInvocation | None, TrainerExit]:
+        """Run the trainer with ``args`` and ``env``; how it ended, and its Pipes session.
+
+        The invocation is None when the trainer was never launched (Kubernetes refused the
+        workload): the returned :class:`TrainerExit` then says why, for the receipt.
+        """
+        backend, _ = self.world()
+        if backend is TrainerBackend.KUBERNETES:
+            return self._launch_on_kubernetes(context, args, env=env or {}, extras=extras or {})
         client = TrainerPipesClient(self.termination_grace_seconds)
         return client.run(
             context=context,
@@ -176,3 +351,117 @@ class TrainerLauncherResource(dg.ConfigurableResource):
             env=env,
             extras=extras,
         )
+
+    def kube_client(self) -> TrainJobPipesClient:
+        """The Kubernetes Pipes client: in-cluster config in a run pod, else the kubeconfig."""
+        from resources.kube_pipes import TrainJobPipesClient
+
+        return TrainJobPipesClient(
+            poll_interval=self.poll_interval_seconds,
+            pod_start_timeout=self.pod_start_timeout_seconds,
+        )
+
+    def _launch_on_kubernetes(
+        self,
+        context: dg.AssetExecutionContext,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        extras: Mapping[str, Any],
+    ) -> tuple[dg.PipesClientCompletedInvocation | None, TrainerExit]:
+        import kubernetes
+
+        from resources.kube_pipes import TrainerLaunchError
+
+        run_id, attempt_no = extras.get("run_id"), extras.get("attempt_no")
+        if not isinstance(run_id, str) or not isinstance(attempt_no, int):
+            raise ValueError(
+                "backend: kubernetes names the workload after the attempt: extras must carry "
+                f"run_id and attempt_no, got {sorted(extras)}"
+            )
+        try:
+            spec = self.trainer_spec(
+                trainer_name(run_id, attempt_no, self.nnodes), args=args, env=env
+            )
+            _check_on_shared_volume(spec)
+        except TrainerConfigError as error:
+            # The attempt is open already: it ends with the reason, and no retry mends config.
+            return None, self._not_launched(context, TerminationReason.USER_CODE_ERROR, error)
+        client = self.kube_client()
+        try:
+            client.apis  # noqa: B018 - fail here, before a Pipes session, if no API is configured
+            invocation, ending = client.run(
+                context=context, spec=spec, backend=self.workload, extras=extras
+            )
+        except kubernetes.config.ConfigException as error:
+            return None, self._not_launched(
+                context, TerminationReason.USER_CODE_ERROR, error, "no Kubernetes API configured"
+            )
+        except TrainerLaunchError as error:
+            # RBAC, a missing operator (404 on the kind) or admission (422) refuse it again on
+            # retry; an API server that is overloaded or restarting may not.
+            reason = TerminationReason.USER_CODE_ERROR
+            if error.status is None or error.status == 429 or error.status >= 500:
+                reason = TerminationReason.INFRA_TRANSIENT
+            return None, self._not_launched(context, reason, error)
+        placement = {
+            **ending.placement(),
+            "nodes": spec.nnodes,
+            "accelerator_type": spec.resources.gpu_resource if spec.resources.gpus else "cpu",
+            "accelerator_count": spec.resources.gpus * spec.nnodes,
+        }
+        outcome = TrainerExit(
+            returncode=ending.returncode,
+            signal_name=ending.signal_name,
+            custom_messages=ending.custom_messages,
+            interrupted=ending.interrupted,
+            observed=ending.observed(),
+            placement=placement,
+        )
+        return invocation, outcome
+
+    def _not_launched(
+        self,
+        context: dg.AssetExecutionContext,
+        reason: TerminationReason,
+        error: Exception,
+        what: str | None = None,
+    ) -> TrainerExit:
+        said = redact.text(f"{what}: {error}" if what else str(error)).rstrip(".")
+        context.log.error(f"the trainer was not launched on Kubernetes: {said}")
+        termination = Termination(reason, f"The trainer was not launched on Kubernetes: {said}.")
+        return TrainerExit(
+            returncode=None,
+            signal_name=None,
+            observed=ObservedEnding(AttemptEvidence(), termination, decisive=True),
+            placement={"launcher": TrainerBackend.KUBERNETES.value, "namespace": self.namespace},
+        )
+
+
+def _config_error(error: InvalidTrainerSpecError) -> TrainerConfigError:
+    """The spec's refusal in the words of the run config: which key to change, and how."""
+    if error.field.startswith("env[") and error.value == redact.MASK:
+        variable = error.field[len("env[") : -1].strip("'\"")
+        return TrainerConfigError(
+            "secret_env",
+            f"resources.trainer.config.secret_env has no entry for {variable}, and its value "
+            "looks like a credential (not shown), so it may not be written into a manifest: "
+            f"add secret_env: {{{variable}: {{secret: <Secret name>, key: <key>}}}} so the "
+            "trainer pods read it from a Kubernetes Secret",
+        )
+    key = _CONFIG_KEY.get(error.field) or error.field.split("[", 1)[0]
+    return TrainerConfigError(key, f"resources.trainer.config.{key}: {error}")
+
+
+def _check_on_shared_volume(spec: TrainerSpec) -> None:
+    """Every path the trainer is handed must lie on the volume the trainer pods mount."""
+    mount = PurePosixPath(spec.checkpoint_mount_path)
+    for arg in spec.args:
+        if arg.startswith("/") and not PurePosixPath(os.path.normpath(arg)).is_relative_to(mount):
+            raise TrainerConfigError(
+                "checkpoint_mount_path",
+                f"resources.trainer.config.checkpoint_mount_path is {mount}, but the trainer is "
+                f"handed {arg}, outside it: the trainer pods see only {spec.checkpoint_pvc} "
+                f"there, so the step pod must mount the same claim at {mount} and keep its "
+                "storage roots (TRACKS_HOME) under it",
+            )

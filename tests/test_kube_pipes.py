@@ -11,168 +11,33 @@ lives on the test's event loop).
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
 import kmock
-import kubernetes
 import pytest
 from dagster._core.errors import DagsterExecutionInterruptedError
-from dagster_pipes import _make_message
 
 from pipeline.kube import endings
 from pipeline.kube.spec import Backend, TrainerSpec
 from pipeline.states import TerminationReason
-from resources.kube_pipes import KubeApis, KubeTrainerExit, TrainJobPipesClient, rank0_selector
-
-NS = "train"
-IMAGE = "registry.example/tracks@sha256:" + "ab" * 32
-R = TerminationReason
-
-
-# -- pods as the API server would serve them ---------------------------------------------------
-
-
-def _running() -> dict[str, Any]:
-    return {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
-
-
-def _waiting() -> dict[str, Any]:
-    return {"waiting": {"reason": "ContainerCreating"}}
-
-
-def _terminated(exit_code: int, reason: str = "Error", message: str | None = None) -> dict:
-    state: dict[str, Any] = {
-        "exitCode": exit_code,
-        "reason": reason,
-        "startedAt": "2026-01-01T00:00:00Z",
-        "finishedAt": "2026-01-01T00:10:00Z",
-    }
-    if message is not None:
-        state["message"] = message
-    return {"terminated": state}
-
-
-def _pod(
-    name: str,
-    labels: Mapping[str, str],
-    *,
-    phase: str,
-    state: Mapping[str, Any],
-    reason: str | None = None,
-    conditions: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    status: dict[str, Any] = {
-        "phase": phase,
-        "conditions": conditions or [],
-        "containerStatuses": [
-            {
-                "name": "node",
-                "image": IMAGE,
-                "imageID": IMAGE,
-                "ready": phase == "Running",
-                "restartCount": 0,
-                "state": dict(state),
-            }
-        ],
-    }
-    if reason:
-        status["reason"] = reason
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": NS,
-            "labels": dict(labels),
-            "creationTimestamp": "2026-01-01T00:00:00Z",
-        },
-        "spec": {
-            "nodeName": "gpu-node-7",
-            "containers": [
-                {"name": "node", "image": IMAGE, "resources": {"limits": {"memory": "16Gi"}}}
-            ],
-        },
-        "status": status,
-    }
-
-
-def _verdict(reason: str, exit_code: int, detail: str) -> str:
-    return json.dumps({"reason": reason, "detail": detail, "exit_code": exit_code, "rank": 0})
-
-
-# -- the scripted cluster ----------------------------------------------------------------------
-
-
-class Cluster:
-    """Plays the Job/JobSet controllers and the kubelet: one scripted step per client sleep."""
-
-    def __init__(self, apis: KubeApis, spec: TrainerSpec, backend: Backend) -> None:
-        self.apis = apis
-        self.spec = spec
-        self.backend = backend
-        self.steps: list[Callable[[], None]] = []
-        self.sleeps = 0
-
-    @property
-    def rank0(self) -> str:
-        return f"{self.spec.name}-node-0-0-abcde"
-
-    def labels(self, rank: int) -> dict[str, str]:
-        labels = dict(rank0_selector(self.spec, self.backend))
-        labels["batch.kubernetes.io/job-completion-index"] = str(rank)
-        return labels
-
-    def create_pods(self, state: Mapping[str, Any], phase: str = "Pending") -> None:
-        for rank, name in ((1, f"{self.spec.name}-node-0-1-fghij"), (0, self.rank0)):
-            # Rank 1 runs and logs too: its log must never reach Dagster.
-            body = _pod(name, self.labels(rank), phase="Running", state=_running())
-            # Newer than rank 0: a client picking "the newest pod" without the selector fails.
-            body["metadata"]["creationTimestamp"] = "2026-01-01T00:00:05Z"
-            if rank == 0:
-                body = _pod(name, self.labels(0), phase=phase, state=state)
-            self.apis.core.create_namespaced_pod(NS, body)
-
-    def move_rank0(self, **pod_fields: Any) -> None:
-        body = _pod(self.rank0, self.labels(0), **pod_fields)
-        self.apis.core.patch_namespaced_pod_status(self.rank0, NS, {"status": body["status"]})
-
-    def then(self, step: Callable[[], None]) -> Cluster:
-        self.steps.append(step)
-        return self
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps += 1
-        assert self.sleeps < 50, "the client polls forever"
-        if self.steps:
-            self.steps.pop(0)()
-
-
-def _pipes_log(*lines: Mapping[str, Any] | str) -> bytes:
-    out = []
-    for i, line in enumerate(lines):
-        text = line if isinstance(line, str) else json.dumps(line)
-        out.append(f"2026-01-01T00:00:{i:02d}.000000000Z {text}\n")
-    return "".join(out).encode()
-
-
-RANK0_LOG = _pipes_log(
-    "torchrun: starting 2 workers",  # not a Pipes message: forwarded to stdout
-    _make_message("opened", {"extras": {}}),
-    _make_message("report_custom_message", {"payload": {"event": "step", "step": 10}}),
-    _make_message(
-        "report_asset_materialization",
-        {
-            "asset_key": "trained_model",
-            "metadata": {"final_loss": {"raw_value": 0.125, "type": "float"}},
-            "data_version": None,
-        },
-    ),
-    _make_message("closed", {}),
+from resources.kube_pipes import KubeApis, KubeTrainerExit, TrainJobPipesClient
+from tests.kube_support import (
+    EVICTED,
+    IMAGE,
+    NS,
+    Cluster,
+    api_pod,
+    kube_apis,
+    requests_of,
+    running,
+    terminated,
+    verdict,
+    waiting,
 )
-RANK1_LOG = _pipes_log(_make_message("report_custom_message", {"payload": {"from": "rank1"}}))
+
+R = TerminationReason
 
 
 def _spec(nnodes: int = 2) -> TrainerSpec:
@@ -189,14 +54,7 @@ def _spec(nnodes: int = 2) -> TrainerSpec:
 
 @pytest.fixture
 def apis(kmock: kmock.KubernetesEmulator) -> KubeApis:
-    # A real API server lists an empty collection; the emulator must be told pods exist.
-    kmock.resources["v1/pods"] = {}
-    kmock.resources["batch/v1/jobs"] = {}
-    kmock.resources["trainer.kubeflow.org/v1alpha1/trainjobs"] = {}
-    kmock[f"get /api/v1/namespaces/{NS}/pods/tr-demo-a1-node-0-0-abcde/log"] << RANK0_LOG
-    kmock[f"get /api/v1/namespaces/{NS}/pods/tr-demo-a1-node-0-1-fghij/log"] << RANK1_LOG
-    config = kubernetes.client.Configuration(host=str(kmock.url).rstrip("/"))
-    return KubeApis.from_api_client(kubernetes.client.ApiClient(config))
+    return kube_apis(kmock)
 
 
 async def _materialize(
@@ -224,10 +82,6 @@ async def _materialize(
     return result, (outcomes[0] if outcomes else None)
 
 
-def _requests(server: kmock.KubernetesEmulator, method: str) -> list[Any]:
-    return [r for r in server if r.method.value == method]
-
-
 # -- the client ----------------------------------------------------------------------------------
 
 
@@ -242,9 +96,9 @@ async def test_success_reaches_dagster_from_rank0_only(
     kmock[f"post /apis/batch/v1/namespaces/{NS}/jobs"] << (
         lambda request: {**request.data, "metadata": {**request.data["metadata"], "uid": "uid-7"}}
     )
-    done = _terminated(0, "Completed", _verdict("succeeded", 0, "final checkpoint at step 20"))
-    cluster.then(lambda: cluster.create_pods(_waiting())).then(
-        lambda: cluster.move_rank0(phase="Running", state=_running())
+    done = terminated(0, "Completed", verdict("succeeded", 0, "final checkpoint at step 20"))
+    cluster.then(lambda: cluster.create_pods(waiting())).then(
+        lambda: cluster.move_rank0(phase="Running", state=running())
     ).then(lambda: cluster.move_rank0(phase="Succeeded", state=done))
 
     result, outcome = await _materialize(cluster)
@@ -264,7 +118,7 @@ async def test_success_reaches_dagster_from_rank0_only(
     [materialization] = result.asset_materializations_for_node("trained_model")
     assert materialization.metadata["final_loss"].value == 0.125
     # The trainer container got the Pipes bootstrap variables through the rendered manifest.
-    [created] = [r for r in _requests(kmock, "POST") if r.data.get("kind") != "Pod"][-1:]
+    [created] = [r for r in requests_of(kmock, "POST") if r.data.get("kind") != "Pod"][-1:]
     if backend == Backend.TRAINJOB:
         env = created.data["spec"]["trainer"]["env"]
     elif backend == Backend.JOBSET:
@@ -275,9 +129,8 @@ async def test_success_reaches_dagster_from_rank0_only(
     names = {e["name"] for e in env}
     assert {"DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES"} <= names
     # Rank 0 was looked up by label, as a real API server needs.
-    lists = [
-        r for r in _requests(kmock, "GET") if str(r.url).endswith("/pods") or "pods?" in str(r.url)
-    ]
+    gets = requests_of(kmock, "GET")
+    lists = [r for r in gets if str(r.url).endswith("/pods") or "pods?" in str(r.url)]
     assert (
         lists and "batch.kubernetes.io/job-completion-index=0" in lists[0].params["labelSelector"]
     )
@@ -286,15 +139,15 @@ async def test_success_reaches_dagster_from_rank0_only(
         [owner] = service["metadata"]["ownerReferences"]
         assert (owner["kind"], owner["name"], owner["uid"]) == ("Job", spec.name, "uid-7")
     # A finished attempt leaves its objects for the post-mortem (delete_on_completion=False).
-    assert not _requests(kmock, "DELETE")
+    assert not requests_of(kmock, "DELETE")
 
 
 @pytest.mark.asyncio
 async def test_rank0_exit_75_is_preempted(kmock: kmock.KubernetesEmulator, apis: KubeApis) -> None:
     cluster = Cluster(apis, _spec(), Backend.TRAINJOB)
-    said = _verdict("preempted", 75, "SIGTERM at step 1200; checkpoint step 1200 committed")
-    cluster.then(lambda: cluster.create_pods(_running(), phase="Running")).then(
-        lambda: cluster.move_rank0(phase="Failed", state=_terminated(75, "Error", said))
+    said = verdict("preempted", 75, "SIGTERM at step 1200; checkpoint step 1200 committed")
+    cluster.then(lambda: cluster.create_pods(running(), phase="Running")).then(
+        lambda: cluster.move_rank0(phase="Failed", state=terminated(75, "Error", said))
     )
 
     result, outcome = await _materialize(cluster)
@@ -308,22 +161,8 @@ async def test_rank0_exit_75_is_preempted(kmock: kmock.KubernetesEmulator, apis:
 @pytest.mark.asyncio
 async def test_eviction_is_preempted(kmock: kmock.KubernetesEmulator, apis: KubeApis) -> None:
     cluster = Cluster(apis, _spec(), Backend.INDEXED_JOB)
-    evicted = {
-        "phase": "Failed",
-        "reason": "Evicted",
-        # torchrun exits 1 on SIGTERM (SignalException): only the pod status tells the truth.
-        "state": _terminated(1, "Error", "torch.distributed.elastic ... SignalException"),
-        "conditions": [
-            {
-                "type": "DisruptionTarget",
-                "status": "True",
-                "reason": "TerminationByKubelet",
-                "message": "The node was low on resource: memory.",
-            }
-        ],
-    }
-    cluster.then(lambda: cluster.create_pods(_running(), phase="Running")).then(
-        lambda: cluster.move_rank0(**evicted)
+    cluster.then(lambda: cluster.create_pods(running(), phase="Running")).then(
+        lambda: cluster.move_rank0(**EVICTED)
     )
 
     result, outcome = await _materialize(cluster)
@@ -337,8 +176,8 @@ async def test_eviction_is_preempted(kmock: kmock.KubernetesEmulator, apis: Kube
 @pytest.mark.asyncio
 async def test_oomkilled_is_oom(kmock: kmock.KubernetesEmulator, apis: KubeApis) -> None:
     cluster = Cluster(apis, _spec(), Backend.TRAINJOB)
-    cluster.then(lambda: cluster.create_pods(_running(), phase="Running")).then(
-        lambda: cluster.move_rank0(phase="Failed", state=_terminated(137, "OOMKilled"))
+    cluster.then(lambda: cluster.create_pods(running(), phase="Running")).then(
+        lambda: cluster.move_rank0(phase="Failed", state=terminated(137, "OOMKilled"))
     )
 
     result, outcome = await _materialize(cluster)
@@ -357,14 +196,14 @@ async def test_terminated_run_suspends_the_trainjob(
     def terminate_run() -> None:
         raise DagsterExecutionInterruptedError()
 
-    cluster.then(lambda: cluster.create_pods(_running(), phase="Running")).then(terminate_run)
+    cluster.then(lambda: cluster.create_pods(running(), phase="Running")).then(terminate_run)
 
     result, outcome = await _materialize(cluster)
 
     assert not result.success and outcome is None
     [failure] = result.get_step_failure_events()
     assert failure.step_failure_data.error.cls_name == "DagsterExecutionInterruptedError"
-    [patch] = _requests(kmock, "PATCH")[-1:]
+    [patch] = requests_of(kmock, "PATCH")[-1:]
     assert str(patch.url).endswith(
         f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/{NS}/trainjobs/tr-demo-a1"
     )
@@ -384,7 +223,7 @@ async def test_terminated_run_deletes_the_job_and_a_404_does_not_mask_it(
         apis.batch.delete_namespaced_job("tr-demo-a1", NS)
         raise DagsterExecutionInterruptedError()
 
-    cluster.then(lambda: cluster.create_pods(_running(), phase="Running")).then(
+    cluster.then(lambda: cluster.create_pods(running(), phase="Running")).then(
         job_gone_then_terminate
     )
 
@@ -392,10 +231,10 @@ async def test_terminated_run_deletes_the_job_and_a_404_does_not_mask_it(
 
     [failure] = result.get_step_failure_events()
     assert failure.step_failure_data.error.cls_name == "DagsterExecutionInterruptedError"
-    deletes = [r for r in _requests(kmock, "DELETE") if "/jobs/" in str(r.url)]
+    deletes = [r for r in requests_of(kmock, "DELETE") if "/jobs/" in str(r.url)]
     assert deletes[-1].params.get("propagationPolicy") == "Foreground"
     # The Service went too, so no headless Service outlives its Job.
-    assert any("/services/tr-demo-a1" in str(r.url) for r in _requests(kmock, "DELETE"))
+    assert any("/services/tr-demo-a1" in str(r.url) for r in requests_of(kmock, "DELETE"))
 
 
 @pytest.mark.asyncio
@@ -403,7 +242,7 @@ async def test_rank0_that_never_starts_is_given_up_and_suspended(
     kmock: kmock.KubernetesEmulator, apis: KubeApis
 ) -> None:
     cluster = Cluster(apis, _spec(), Backend.TRAINJOB)
-    cluster.then(lambda: cluster.create_pods(_waiting()))
+    cluster.then(lambda: cluster.create_pods(waiting()))
     ticks = iter(range(0, 10_000, 600))
 
     result, outcome = await _materialize(
@@ -413,7 +252,7 @@ async def test_rank0_that_never_starts_is_given_up_and_suspended(
     assert result.success and outcome is not None
     assert outcome.reason == R.INFRA_TRANSIENT and outcome.returncode is None
     assert "did not start within 1800s" in outcome.detail and "ContainerCreating" in outcome.detail
-    assert _requests(kmock, "PATCH")[-1].data == {"spec": {"suspend": True}}
+    assert requests_of(kmock, "PATCH")[-1].data == {"spec": {"suspend": True}}
 
 
 # -- pod endings, directly ---------------------------------------------------------------------
@@ -422,11 +261,11 @@ _LABELS = {"job-name": "j"}
 
 
 def test_plain_text_termination_message_is_kept_redacted() -> None:
-    pod = _pod(
+    pod = api_pod(
         "p",
         _LABELS,
         phase="Failed",
-        state=_terminated(1, "Error", "Traceback ... postgresql://tracks:hunter2@db/ledger"),
+        state=terminated(1, "Error", "Traceback ... postgresql://tracks:hunter2@db/ledger"),
     )
     ending = endings.classify_pod(pod)
     assert ending.message.words is None
@@ -436,15 +275,15 @@ def test_plain_text_termination_message_is_kept_redacted() -> None:
 
 def test_oomkilled_worker_under_torchrun_exit_1_is_oom() -> None:
     # The kernel killed a worker; torchrun's agent then exited 1 (ChildFailedError).
-    pod = _pod("p", _LABELS, phase="Failed", state=_terminated(1, "OOMKilled"))
+    pod = api_pod("p", _LABELS, phase="Failed", state=terminated(1, "OOMKilled"))
     ending = endings.classify_pod(pod)
     assert (ending.reason, ending.exit_code, ending.oom_killed) == (R.OOM, 1, True)
 
 
 def test_launcher_verdict_refines_torchrun_exit_1() -> None:
-    said = _verdict("oom", 1, "torch.OutOfMemoryError on rank 3 at step 40")
+    said = verdict("oom", 1, "torch.OutOfMemoryError on rank 3 at step 40")
     ending = endings.classify_pod(
-        _pod("p", _LABELS, phase="Failed", state=_terminated(1, "Error", said))
+        api_pod("p", _LABELS, phase="Failed", state=terminated(1, "Error", said))
     )
     assert ending.reason == R.OOM and "rank 3" in ending.termination.detail
 
@@ -464,13 +303,13 @@ def test_termination_message_parsing_is_defensive(message: str | None, expected:
 
 
 def test_sigterm_without_last_words_is_preempted_and_clean_exit_beats_disruption() -> None:
-    killed = endings.classify_pod(_pod("p", _LABELS, phase="Failed", state=_terminated(143)))
+    killed = endings.classify_pod(api_pod("p", _LABELS, phase="Failed", state=terminated(143)))
     assert (killed.reason, killed.evidence.signal_name) == (R.PREEMPTED, "SIGTERM")
-    finished = _pod(
+    finished = api_pod(
         "p",
         _LABELS,
         phase="Succeeded",
-        state=_terminated(0, "Completed"),
+        state=terminated(0, "Completed"),
         conditions=[
             {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}
         ],
@@ -479,7 +318,7 @@ def test_sigterm_without_last_words_is_preempted_and_clean_exit_beats_disruption
 
 
 def test_pod_that_failed_before_running_is_infra_transient() -> None:
-    pod = _pod("p", _LABELS, phase="Failed", state=_waiting(), reason="UnexpectedAdmissionError")
+    pod = api_pod("p", _LABELS, phase="Failed", state=waiting(), reason="UnexpectedAdmissionError")
     assert not endings.has_started(pod) or endings.is_finished(pod)
     ending = endings.classify_pod(pod)
     assert (
@@ -489,7 +328,7 @@ def test_pod_that_failed_before_running_is_infra_transient() -> None:
 
 
 def test_running_pod_is_not_finished_and_workload_failure_reads_conditions() -> None:
-    assert not endings.is_finished(_pod("p", _LABELS, phase="Running", state=_running()))
+    assert not endings.is_finished(api_pod("p", _LABELS, phase="Running", state=running()))
     failed = {
         "status": {
             "conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded"}]
