@@ -393,6 +393,8 @@ def test_an_orchestrated_attempt_whose_rank_1_is_killed_names_it_on_the_receipt(
     assert finished.termination.reason == "preempted", finished.termination
     assert "Rank 1 failed first" in finished.termination.detail, finished.termination.detail
     assert "SIGKILL" in finished.termination.detail
+    # Rank 0 said where the ranks were when rank 1 died: past the last commit, at step 12.
+    assert finished.attempt.last_step == 12, finished.attempt.last_step
     attempt = ledger.get_attempt(run_id, 1)
     assert attempt.placement["world_size"] == 2
     page = explain(ledger, run_id)
