@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import dagster as dg
 from dagster._core.errors import DagsterExecutionInterruptedError
@@ -221,14 +221,7 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         attempt's environment) when given, so an inline credential is refused here too.
         Raises :class:`TrainerConfigError` naming the config key.
         """
-        try:
-            backend = TrainerBackend(self.backend)
-        except ValueError:
-            choices = ", ".join(b.value for b in TrainerBackend)
-            raise TrainerConfigError(
-                "backend",
-                f"resources.trainer.config.backend is {self.backend!r}; choose one of {choices}",
-            ) from None
+        backend = _choice("backend", self.backend, TrainerBackend)
         if not 1 <= self.nproc_per_node <= 64:
             raise TrainerConfigError(
                 "nproc_per_node",
@@ -279,14 +272,7 @@ class TrainerLauncherResource(dg.ConfigurableResource):
                 "the step and the trainer pods share checkpoints, configs and snapshots through "
                 "that claim (ReadWriteMany), mounted at checkpoint_mount_path in both",
             )
-        try:
-            Backend(self.workload)
-        except ValueError:
-            choices = ", ".join(b.value for b in Backend)
-            raise TrainerConfigError(
-                "workload",
-                f"resources.trainer.config.workload is {self.workload!r}; choose one of {choices}",
-            ) from None
+        _choice("workload", self.workload, Backend)
         secret_env = {var: (ref.secret, ref.key) for var, ref in self.secret_env.items()}
         inline = {var: value for var, value in (env or {}).items() if var not in secret_env}
         try:
@@ -436,6 +422,20 @@ class TrainerLauncherResource(dg.ConfigurableResource):
             observed=ObservedEnding(AttemptEvidence(), termination, decisive=True),
             placement={"launcher": TrainerBackend.KUBERNETES.value, "namespace": self.namespace},
         )
+
+
+_E = TypeVar("_E", bound=StrEnum)
+
+
+def _choice(key: str, value: str, kind: type[_E]) -> _E:
+    """``value`` as a member of ``kind``, or an error naming the config key and the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(member.value for member in kind)
+        raise TrainerConfigError(
+            key, f"resources.trainer.config.{key} is {value!r}; choose one of {choices}"
+        ) from None
 
 
 def _config_error(error: InvalidTrainerSpecError) -> TrainerConfigError:
