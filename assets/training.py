@@ -134,6 +134,7 @@ def training_attempt(
     from pipeline.explain import explain
     from pipeline.ledger import LedgerError
     from pipeline.plots import loss_curve_markdown, table_markdown
+    from pipeline.reasons import launcher_failed
     from pipeline.retry import RetryPolicyError, load_retry_policy
     from pipeline.trainer.config import ConfigError, TrainConfig
 
@@ -180,6 +181,7 @@ def training_attempt(
     )
     outcome: TrainerExit | None = None
     interrupted = False
+    launch_error: Exception | None = None
     cpu_before = _children_cpu_seconds()
     try:
         _, outcome = trainer.launch(
@@ -193,8 +195,14 @@ def training_attempt(
     except DagsterExecutionInterruptedError:
         interrupted = True  # a person terminated the Dagster run
         raise
+    except Exception as exc:
+        launch_error = exc  # the launcher itself failed (a missing executable, say)
+        raise
     finally:
         # Runs when the Dagster run is terminated too: the receipt is always closed.
+        observed = outcome.observed if outcome else None
+        if outcome is None and launch_error is not None:
+            observed = launcher_failed(launch_error)
         finished = finish_attempt(
             book,
             prepared,
@@ -204,7 +212,7 @@ def training_attempt(
             cancelled=interrupted,
             cpu_seconds=_children_cpu_seconds() - cpu_before,
             # Kubernetes: what the cluster saw (eviction, OOMKilled) and where rank 0 ran.
-            observed=outcome.observed if outcome else None,
+            observed=observed,
             placement=outcome.placement if outcome else None,
         )
 

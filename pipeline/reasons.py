@@ -469,6 +469,26 @@ class ObservedEnding:
     decisive: bool = False
 
 
+def launcher_failed(error: BaseException) -> ObservedEnding:
+    """The ending to record when the launcher itself raised: no exit code or signal was seen.
+
+    Without this the receipt would read a missing exit code as a signal and tell a story the
+    evidence does not hold. Stopping (``user_code_error``) is the safe verdict: a person reads
+    the error before a retry repeats it.
+    """
+    from pipeline import redact
+
+    said = redact.text(f"{type(error).__name__}: {error}").rstrip(".")
+    return ObservedEnding(
+        AttemptEvidence(),
+        Termination(
+            TerminationReason.USER_CODE_ERROR,
+            f"The launcher raised {said}, so no exit code or signal of the trainer was seen.",
+        ),
+        decisive=True,
+    )
+
+
 def classify_observed(observed: ObservedEnding, known: AttemptEvidence) -> Termination:
     """One reason from what the platform observed and what the orchestrator read itself.
 

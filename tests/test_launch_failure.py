@@ -1,0 +1,39 @@
+"""A launcher that raises leaves a receipt that says so, not a signal nobody sent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from pipeline.data.landing import write_digits_landing
+from pipeline.data.snapshot import snapshot_id_for
+from pipeline.definitions import build_definitions
+from pipeline.ledger import Ledger
+from pipeline.settings import TracksSettings
+from sensors import materialize_snapshot
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_launcher_that_raises_closes_the_attempt_as_user_code_error_naming_the_error(
+    tracks_home: Path,
+) -> None:
+    settings = TracksSettings.from_env()
+    write_digits_landing(settings.landing_root)
+    snapshot = snapshot_id_for(settings.landing_root)
+    missing = tracks_home / "no-such-python"
+    run_config = {"resources": {"trainer": {"config": {"python_executable": str(missing)}}}}
+    with dg.DagsterInstance.get() as instance:
+        result = materialize_snapshot(
+            build_definitions(settings), instance, snapshot, run_config=run_config
+        )
+    assert not result.success
+    [attempt] = Ledger.open(settings.ledger_url).list_attempts()
+    # Not "preempted by SIGHUP": no exit code or signal was ever seen.
+    assert attempt.termination_reason == "user_code_error", attempt.termination_detail
+    assert attempt.exit_code is None and attempt.signal is None
+    assert "FileNotFoundError" in attempt.termination_detail
+    assert str(missing) in attempt.termination_detail
+    assert attempt.retry_decision["action"] == "stop"
