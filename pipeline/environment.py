@@ -18,12 +18,17 @@ from pipeline.digests import sha256_json
 def container_digest() -> str:
     """The image digest when running in a container, else a digest of the installed distributions.
 
-    Kubernetes deployments pass the image digest in ``TRACKS_IMAGE_DIGEST`` (downward API or
-    the launcher); outside a container the locked environment is what identifies the software.
+    Kubernetes deployments pass the image digest in ``TRACKS_IMAGE_DIGEST``; the trainer pods
+    Tracks renders carry ``TRACKS_IMAGE``, which identifies the software only when it is pinned
+    by digest (a tag names different images over time). Outside a container the locked
+    environment is what identifies the software.
     """
     image = os.environ.get("TRACKS_IMAGE_DIGEST")
     if image:
         return image
+    reference = os.environ.get("TRACKS_IMAGE", "")
+    if "@sha256:" in reference:
+        return reference.rsplit("@", 1)[1]
     dists = sorted(
         {
             (d.metadata["Name"].lower(), d.version)
@@ -65,9 +70,11 @@ def placement(world_size: int = 1) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     return {
         "host": socket.gethostname(),
-        "pod": os.environ.get("POD_NAME") or os.environ.get("HOSTNAME_POD"),
-        "node": os.environ.get("NODE_NAME"),
-        "namespace": os.environ.get("POD_NAMESPACE"),
+        # TRACKS_*: what the trainer manifests Tracks renders set (pipeline/kube/render.py);
+        # the plain names: what a hand-written pod spec usually sets through the downward API.
+        "pod": _first_env("TRACKS_POD_NAME", "POD_NAME", "HOSTNAME_POD"),
+        "node": _first_env("TRACKS_NODE_NAME", "NODE_NAME"),
+        "namespace": _first_env("TRACKS_POD_NAMESPACE", "POD_NAMESPACE"),
         "accelerator_type": torch.cuda.get_device_name(0) if cuda else "cpu",
         "accelerator_count": torch.cuda.device_count() if cuda else 0,
         "torch_version": torch.__version__,
@@ -76,3 +83,7 @@ def placement(world_size: int = 1) -> dict[str, Any]:
         "world_size": world_size,
         "cpu_count": os.cpu_count(),
     }
+
+
+def _first_env(*names: str) -> str | None:
+    return next((value for name in names if (value := os.environ.get(name))), None)
