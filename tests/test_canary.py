@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import blake3
 import dagster as dg
 import pytest
 from click.testing import CliRunner
@@ -27,6 +26,7 @@ from pipeline.digests import sha256_bytes
 from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings
 from sensors.canary import CanaryVerdict, run_canary
+from tests.checkpoint_support import resign
 
 CONDITIONS = [
     "run_succeeded",
@@ -99,15 +99,7 @@ def _resign_changed_weights(directory: Path) -> str:
     tensors[name] = tensors[name] + 0.05
     data = save_safetensors(tensors, metadata={"format": "pt"})
     path.write_bytes(data)
-    manifest = json.loads((directory / "MANIFEST.json").read_bytes())
-    for entry in manifest["files"]:
-        if entry["name"] == "model.safetensors":
-            entry.update(size=len(data), digest=blake3.blake3(data).hexdigest())
-    raw = json.dumps(manifest, sort_keys=True, indent=1).encode()
-    (directory / "MANIFEST.json").write_bytes(raw)
-    committed = json.loads((directory / "COMMITTED").read_bytes())
-    committed["manifest_sha256"] = sha256_bytes(raw)
-    (directory / "COMMITTED").write_text(json.dumps(committed))
+    resign(directory, "model.safetensors")
     return "probe.safetensors"
 
 

@@ -40,6 +40,7 @@ from pipeline.states import CheckpointState
 from pipeline.trainer.data import EpochSampler, TrainingData
 from pipeline.trainer.model import build_model
 from pipeline.trainer.train import train_step
+from tests.checkpoint_support import resign
 
 RUN_ID = "run-ckpt"
 MODEL_CONFIG = {"channels": 4, "hidden": 16, "dropout": 0.1}
@@ -376,15 +377,7 @@ def test_probe_mismatch_after_restore_is_corrupt_and_previous_is_used(tmp_path: 
     probe["logits"] = probe["logits"] + 1e-3
     raw = safetensors_bytes(probe, metadata={"format": "pt", "device": "cpu"})
     (newest / PROBE_FILE).write_bytes(raw)
-    manifest = json.loads((newest / MANIFEST_FILE).read_text())
-    for entry in manifest["files"]:
-        if entry["name"] == PROBE_FILE:
-            entry.update(size=len(raw), digest=blake3.blake3(raw).hexdigest())
-    manifest_raw = json.dumps(manifest).encode()
-    (newest / MANIFEST_FILE).write_bytes(manifest_raw)
-    committed = json.loads((newest / COMMITTED_FILE).read_text())
-    committed["manifest_sha256"] = sha256_bytes(manifest_raw)
-    (newest / COMMITTED_FILE).write_text(json.dumps(committed))
+    resign(newest, PROBE_FILE)
     verify_checkpoint(newest)
 
     resumed = _state(data, seed=4)
@@ -542,13 +535,7 @@ def test_a_manifest_naming_an_unknown_digest_algorithm_is_corrupt(tmp_path: Path
     state = _state(data)
     _steps(state, data, 2)
     path = _manager(tmp_path).save(state).path
-    manifest = json.loads((path / MANIFEST_FILE).read_text())
-    manifest["files"][0]["algorithm"] = "md5"
-    raw = json.dumps(manifest).encode()
-    (path / MANIFEST_FILE).write_bytes(raw)
-    committed = json.loads((path / COMMITTED_FILE).read_text())
-    committed["manifest_sha256"] = sha256_bytes(raw)
-    (path / COMMITTED_FILE).write_text(json.dumps(committed))
+    resign(path, edit=lambda manifest: manifest["files"][0].update(algorithm="md5"))
     with pytest.raises(CorruptCheckpointError, match="unknown digest algorithm 'md5'") as caught:
         verify_checkpoint(path)
     assert caught.value.file == MANIFEST_FILE

@@ -32,6 +32,7 @@ from pipeline.checkpoint import manager as manager_module
 from pipeline.checkpoint.tensorfile import parse_safetensors, safetensors_chunks
 from pipeline.states import CheckpointState
 from pipeline.trainer.data import TrainingData
+from tests.checkpoint_support import resign
 from tests.test_checkpoint import RUN_ID, _data, _ledger_run, _manager, _state, _steps
 
 
@@ -253,17 +254,7 @@ def test_tensor_file_whose_header_lies_is_a_corrupt_checkpoint(tmp_path: Path) -
     body = json.dumps(header).encode()
     body += b" " * (-len(body) % 8)
     model.write_bytes(len(body).to_bytes(8, "little") + body + raw[8 + header_len :])
-    manifest = json.loads((path / MANIFEST_FILE).read_text())
-    from pipeline.digests import FILE_DIGEST, file_digest, sha256_bytes
-
-    for entry in manifest["files"]:
-        if entry["name"] == MODEL_FILE:
-            entry.update(size=model.stat().st_size, digest=file_digest(model, FILE_DIGEST))
-    manifest_raw = json.dumps(manifest).encode()
-    (path / MANIFEST_FILE).write_bytes(manifest_raw)
-    committed = json.loads((path / COMMITTED_FILE).read_text())
-    committed["manifest_sha256"] = sha256_bytes(manifest_raw)
-    (path / COMMITTED_FILE).write_text(json.dumps(committed))
+    resign(path, MODEL_FILE)
     verify_checkpoint(path)  # the bytes are what the manifest says …
     with pytest.raises(Exception, match=r"model\.safetensors: does not load: .*offsets"):
         load_checkpoint(path)  # … but they are not a tensor file

@@ -31,10 +31,10 @@ from pipeline.checkpoint import (
     load_checkpoint,
     verify_checkpoint,
 )
-from pipeline.checkpoint.layout import COMMITTED_FILE, DCP_METADATA_FILE, MANIFEST_FILE
-from pipeline.digests import FILE_DIGEST, file_digest, sha256_bytes
+from pipeline.checkpoint.layout import COMMITTED_FILE, DCP_METADATA_FILE
 from pipeline.distributed.launch import RankOutcome, decide_exit
 from pipeline.trainer import exit_codes
+from tests.checkpoint_support import resign
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 160
@@ -270,23 +270,6 @@ def test_reshard_two_ranks_to_one_and_one_to_two(workdir: Path, reshard_config: 
         assert all(torch.isfinite(t).all() for t in final.model.values())
 
 
-def _resign(directory: Path, name: str) -> None:
-    """Make a tampered file look legitimately committed (an attacker with write access)."""
-    manifest = json.loads((directory / MANIFEST_FILE).read_bytes())
-    for entry in manifest["files"]:
-        if entry["name"] == name:
-            entry.update(
-                size=(directory / name).stat().st_size,
-                algorithm=FILE_DIGEST.value,
-                digest=file_digest(directory / name, FILE_DIGEST),
-            )
-    raw = json.dumps(manifest, sort_keys=True, indent=1).encode()
-    (directory / MANIFEST_FILE).write_bytes(raw)
-    committed = json.loads((directory / COMMITTED_FILE).read_bytes())
-    committed["manifest_sha256"] = sha256_bytes(raw)
-    (directory / COMMITTED_FILE).write_text(json.dumps(committed))
-
-
 class _Payload:
     def __reduce__(self) -> tuple:
         return (os.system, ("touch /tmp/tracks-dcp-metadata-pwned",))
@@ -308,7 +291,7 @@ def test_dcp_metadata_is_read_only_through_the_allow_list(
     with pytest.raises(CorruptCheckpointError, match=r"\.metadata"):
         load_checkpoint(directory)
     # Re-signed by an attacker: the allow-list refuses os.system before it is called.
-    _resign(directory, DCP_METADATA_FILE)
+    resign(directory, DCP_METADATA_FILE)
     marker = Path("/tmp/tracks-dcp-metadata-pwned")
     marker.unlink(missing_ok=True)
     with pytest.raises(CorruptCheckpointError, match="allow-list"):
