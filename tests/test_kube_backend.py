@@ -173,6 +173,8 @@ def _created(server: kmock.KubernetesEmulator, kind: str) -> dict[str, Any]:
         ({"service_account": "Trainer!"}, "service_account"),
         ({"secret_env": {"TRACKS_LEDGER_URL": {"secret": "Ledger_Secret", "key": "url"}}},
          "secret_env"),
+        ({"secret_env": {"TRACKS_LEDGER_URL": {"secret": "tracks-ledger", "key": "db/url"}}},
+         "secret_env"),
         ({"termination_grace_seconds": 0.0}, "termination_grace_seconds"),
         ({"poll_interval_seconds": 0.0}, "poll_interval_seconds"),
         ({"backend": "torchrun", "nnodes": 2}, "nnodes"),

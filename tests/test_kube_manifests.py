@@ -291,6 +291,10 @@ def test_unknown_kind_is_named() -> None:
         ({"env": {"HF_TOKEN": "hf_abc"}}, "env['HF_TOKEN']", "secret_env"),
         ({"env": {"DB": "postgresql://u:pw@db/x"}}, "env['DB']", "secretKeyRef"),
         ({"secret_env": {"X": ("tracks-ledger",)}}, "secret_env['X']", "pair"),
+        ({"secret_env": {"X": ("tracks-ledger", "db url")}}, "secret_env['X'].key", "Secret key"),
+        ({"secret_env": {"X": ("tracks-ledger", "../url")}}, "secret_env['X'].key", "Secret key"),
+        ({"secret_env": {"X": ("tracks-ledger", "..")}}, "secret_env['X'].key", "'..'"),
+        ({"secret_env": {"X": ("tracks-ledger", "k" * 254)}}, "secret_env['X'].key", "253"),
         ({"labels": {"team": "no spaces"}}, "labels['team']", "label value"),
         ({"nnodes": 0}, "nnodes", "from 1"),
         ({"checkpoint_mount_path": "ckpt"}, "checkpoint_mount_path", "absolute"),
@@ -355,6 +359,39 @@ def test_helm_values_and_dockerfile() -> None:
     for line in copied:
         for source in line.split():
             assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
+
+
+def test_helm_values_mount_the_shared_store_where_tracks_home_points() -> None:
+    # The run pod and the code server read what the trainer pods write (config, last words,
+    # checkpoints): without the claim, the receipt of every Kubernetes attempt would read an
+    # empty store. Both get the same volume at TRACKS_HOME, and it is a valid pod volume.
+    values = yaml.safe_load((ROOT / "deploy" / "helm-values.yaml").read_text())
+    [deployment] = values["dagster-user-deployments"]["deployments"]
+    run_launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
+    home = {e["name"]: e["value"] for e in deployment["env"]}["TRACKS_HOME"]
+    for owner in (deployment, run_launcher):
+        [volume] = owner["volumes"]
+        [mount] = owner["volumeMounts"]
+        assert mount == {"name": volume["name"], "mountPath": home}
+        assert volume["persistentVolumeClaim"]["claimName"]
+        validate_manifest(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "helm-values"},
+                "spec": {
+                    "volumes": owner["volumes"],
+                    "containers": [
+                        {"name": "c", "image": "i:1", "volumeMounts": owner["volumeMounts"]}
+                    ],
+                },
+            }
+        )
+    # The claim is the one the trainer pods mount (docs/kubernetes.md's example config).
+    claim = deployment["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert f"checkpoint_pvc: {claim}" in docs
+    assert f"checkpoint_mount_path: {home}" in docs
 
 
 def test_core_does_not_import_dagster() -> None:

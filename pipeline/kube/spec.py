@@ -46,6 +46,8 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _QUANTITY = re.compile(
     r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$"
 )
+# A key in a Secret's data (Kubernetes' IsConfigMapKey): also a file name when mounted.
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 _DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 # Names that say "this is a credential": their values must come from a Secret.
@@ -91,6 +93,24 @@ def _subdomain(field_name: str, value: object) -> str:
             value,
             "must be a DNS subdomain: lowercase letters, digits, '-' and '.', starting and "
             "ending with a letter or digit, at most 253 characters",
+        )
+    return value
+
+
+def _secret_key(field_name: str, value: str) -> str:
+    # The API server refuses these too, but only when the pod is created: by then the attempt
+    # is open and the pod sits in CreateContainerConfigError. Refused here, before either.
+    if (
+        len(value) > 253
+        or not _SECRET_KEY.match(value)
+        or value in (".", "..")
+        or value.startswith("..")
+    ):
+        raise InvalidTrainerSpecError(
+            field_name,
+            value,
+            "must be a Secret key: letters, digits, '-', '_' and '.', at most 253 characters,"
+            " not '.' or '..' and not starting with '..'",
         )
     return value
 
@@ -315,6 +335,7 @@ class TrainerSpec:
                     f"secret_env[{name!r}]", ref, "must be a (secret name, key) pair"
                 )
             _subdomain(f"secret_env[{name!r}].secret", ref[0])
+            _secret_key(f"secret_env[{name!r}].key", ref[1])
             checked[name] = (ref[0], ref[1])
         return MappingProxyType(checked)
 
