@@ -319,7 +319,13 @@ def finish_attempt(
         termination_detail=termination.detail,
         exit_code=returncode,
         signal=signal_name,
-        gpu_seconds=accelerators * wall,
+        # Kubernetes: time queued for a node is not GPU time; the cluster says when it was.
+        gpu_seconds=accelerators
+        * (
+            observed.accelerator_wall_seconds
+            if observed is not None and observed.accelerator_wall_seconds is not None
+            else wall
+        ),
         cpu_seconds=cpu_seconds,
         last_step=last_step,
     )

@@ -467,6 +467,10 @@ class ObservedEnding:
     evidence: AttemptEvidence
     termination: Termination
     decisive: bool = False
+    # How long the platform held the attempt's accelerators: from the pod's scheduling (when
+    # its GPUs were allocated) to the container's end; 0.0 when no pod was ever scheduled.
+    # None: not known, and the attempt's wall time is charged.
+    accelerator_wall_seconds: float | None = None
 
 
 def launcher_failed(error: BaseException) -> ObservedEnding:

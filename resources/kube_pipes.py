@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from typing import Any
 
 import dagster as dg
@@ -87,6 +88,21 @@ class KubeTrainerExit:
     image_digest: str | None = None  # when the image is pinned by digest
     oom_killed: bool = False  # the kubelet said OOMKilled on the trainer container
     disruption: str | None = None  # the platform's words when it took the pod away (redacted)
+    scheduled_at: datetime | None = None  # rank 0's pod bound to a node (accelerators held)
+    finished_at: datetime | None = None  # rank 0's container ended (None: stopped, or lost)
+    ran: bool = False  # rank 0's container started
+
+    def accelerator_wall_seconds(self, now: datetime | None = None) -> float | None:
+        """How long rank 0's pod held its node's accelerators: scheduled → ended (or now).
+
+        0.0 for a pod that was never scheduled (time queued holds no GPU); None when a pod
+        ran but its scheduling time is not known, and the attempt's wall time is charged.
+        Rank 0's interval stands for every node's: gang scheduling binds them together.
+        """
+        if self.scheduled_at is None:
+            return None if self.ran else 0.0
+        until = self.finished_at or now or datetime.now(UTC)
+        return max(0.0, (until - self.scheduled_at).total_seconds())
 
     @property
     def succeeded(self) -> bool:
@@ -108,6 +124,7 @@ class KubeTrainerExit:
             "image": self.image or None,
             # Only a digest names what ran; a tag can be moved to another image later.
             "image_digest": self.image_digest,
+            "scheduled_at": self.scheduled_at.isoformat() if self.scheduled_at else None,
         }
         return {key: value for key, value in facts.items() if value is not None}
 
@@ -126,7 +143,10 @@ class KubeTrainerExit:
             took = self.disruption.rstrip(".")
             detail = f"{detail.rstrip('.')}. The platform took the pod away ({took})."
         return ObservedEnding(
-            evidence=self.evidence, termination=Termination(self.reason, detail), decisive=decisive
+            evidence=self.evidence,
+            termination=Termination(self.reason, detail),
+            decisive=decisive,
+            accelerator_wall_seconds=self.accelerator_wall_seconds(),
         )
 
 
@@ -309,7 +329,8 @@ class TrainJobPipesClient(dg.PipesClient):
                 current = self.apis.core.read_namespaced_pod(name, spec.namespace)
             except ApiException as error:
                 if error.status == 404:
-                    return endings.lost_pod(name, "the pod was deleted"), True, None
+                    lost = endings.lost_pod(name, "the pod was deleted")
+                    return replace(lost, scheduled_at=endings.scheduled_at(pod)), True, None
                 raise
             pod = self._as_dict(current)
             if endings.is_finished(pod):
@@ -328,10 +349,11 @@ class TrainJobPipesClient(dg.PipesClient):
                 last_seen = pod
                 if endings.has_started(pod):
                     return pod
+            held_since = endings.scheduled_at(last_seen) if last_seen else None
             failure = self._workload_failure(spec, backend)
             if failure is not None:
                 kind = "Job" if backend == Backend.INDEXED_JOB else _CRD[backend][3]
-                return _NoPod(endings.ending_without_pod(kind, spec.name, failure))
+                return _NoPod(endings.ending_without_pod(kind, spec.name, failure), held_since)
             if self.clock() >= deadline:
                 where = _pending_phrase(last_seen)
                 return _NoPod(
@@ -339,7 +361,8 @@ class TrainJobPipesClient(dg.PipesClient):
                         TerminationReason.INFRA_TRANSIENT,
                         f"Rank 0 of {spec.name} did not start within "
                         f"{self.pod_start_timeout:.0f}s ({where}); the workload was stopped.",
-                    )
+                    ),
+                    held_since,
                 )
             self.sleeper(self.poll_interval)
 
@@ -460,6 +483,7 @@ class TrainJobPipesClient(dg.PipesClient):
                 signal_name=None,
                 reason=ending.termination.reason,
                 detail=ending.termination.detail,
+                scheduled_at=ending.scheduled_at,
                 **common,
             )
         message = ending.message.words if ending.message.words is not None else ending.message.text
@@ -474,6 +498,9 @@ class TrainJobPipesClient(dg.PipesClient):
             evidence=ending.evidence,
             oom_killed=ending.oom_killed,
             disruption=disruption,
+            scheduled_at=ending.scheduled_at,
+            finished_at=ending.finished_at,
+            ran=True,
             **common,
         )
 
@@ -483,6 +510,7 @@ class _NoPod:
     """The workload ended (or was given up on) before rank 0 ever ran."""
 
     termination: endings.Termination
+    scheduled_at: datetime | None = None  # bound to a node all the same (an image pull failing)
 
 
 def _ran(pod: Mapping[str, Any]) -> bool:

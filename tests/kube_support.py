@@ -57,6 +57,11 @@ def terminated(exit_code: int, reason: str = "Error", message: str | None = None
     return {"terminated": state}
 
 
+def scheduled(at: str) -> dict[str, Any]:
+    """The PodScheduled condition the scheduler sets when it binds the pod to a node."""
+    return {"type": "PodScheduled", "status": "True", "lastTransitionTime": at}
+
+
 def api_pod(
     name: str,
     labels: Mapping[str, str],

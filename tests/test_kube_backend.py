@@ -41,6 +41,7 @@ from tests.kube_support import (
     kube_apis,
     requests_of,
     running,
+    scheduled,
     terminated,
     verdict,
 )
@@ -242,8 +243,11 @@ async def test_rank0_exit_75_is_a_preempted_attempt_and_the_trainjob_holds_no_pa
     secret = {"TRACKS_LEDGER_URL": {"secret": "tracks-ledger", "key": "url"}}
     cluster = Cluster(apis, None, Backend.TRAINJOB)
     said = verdict("preempted", 75, "SIGTERM at step 1200; checkpoint step 1200 committed")
+    bound = [scheduled("2026-01-01T00:02:00Z")]  # and the container ended at 00:10:00
     cluster.then(lambda: cluster.create_pods(running(), phase="Running")).then(
-        lambda: cluster.move_rank0(phase="Failed", state=terminated(75, "Error", said))
+        lambda: cluster.move_rank0(
+            phase="Failed", state=terminated(75, "Error", said), conditions=bound
+        )
     )
 
     result = await _materialize(
@@ -270,7 +274,10 @@ async def test_rank0_exit_75_is_a_preempted_attempt_and_the_trainjob_holds_no_pa
         "nvidia.com/gpu",
         8,
     )
-    assert attempt.gpu_seconds > 0  # 8 GPUs held, not the step pod's none
+    # 8 GPUs held from the pod's scheduling to the container's end (8 minutes), whatever the
+    # step waited before; not the step pod's none.
+    assert attempt.gpu_seconds == 8 * 480.0
+    assert placement["scheduled_at"] == "2026-01-01T00:02:00+00:00"
 
     trainjob = _created(kmock, "TrainJob")
     assert trainjob["metadata"]["name"] == name

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import dagster as dg
@@ -32,6 +33,7 @@ from tests.kube_support import (
     kube_apis,
     requests_of,
     running,
+    scheduled,
     terminated,
     verdict,
     waiting,
@@ -253,6 +255,38 @@ async def test_rank0_that_never_starts_is_given_up_and_suspended(
     assert outcome.reason == R.INFRA_TRANSIENT and outcome.returncode is None
     assert "did not start within 1800s" in outcome.detail and "ContainerCreating" in outcome.detail
     assert requests_of(kmock, "PATCH")[-1].data == {"spec": {"suspend": True}}
+    # Never bound to a node: half an hour queued held no accelerator, and none is charged.
+    assert outcome.observed().accelerator_wall_seconds == 0.0
+
+
+def test_accelerators_are_held_from_scheduling_to_the_containers_end() -> None:
+    pod = api_pod(
+        "p",
+        _LABELS,
+        phase="Failed",
+        state=terminated(75),  # finishedAt 00:10:00
+        conditions=[scheduled("2026-01-01T00:04:00Z")],
+    )
+    ending = endings.classify_pod(pod)
+    assert ending.scheduled_at is not None and ending.finished_at is not None
+    exit_ = KubeTrainerExit(
+        returncode=75,
+        signal_name=None,
+        scheduled_at=ending.scheduled_at,
+        finished_at=ending.finished_at,
+        ran=True,
+    )
+    assert exit_.accelerator_wall_seconds() == 360.0
+    assert exit_.placement()["scheduled_at"] == "2026-01-01T00:04:00+00:00"
+    # Still running (stopped, or lost): held until now.
+    later = ending.scheduled_at.replace(minute=5)
+    assert replace(exit_, finished_at=None).accelerator_wall_seconds(later) == 60.0
+    # Ran, but the scheduling time is unknown: not evidence of zero; wall time is charged.
+    assert replace(exit_, scheduled_at=None).accelerator_wall_seconds() is None
+    # A timestamp that is not RFC 3339 is no evidence either.
+    garbled = api_pod("p", _LABELS, phase="Failed", state=terminated(1),
+                      conditions=[scheduled("yesterday")])  # fmt: skip
+    assert endings.scheduled_at(garbled) is None
 
 
 # -- pod endings, directly ---------------------------------------------------------------------

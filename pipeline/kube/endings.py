@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
 from pipeline import redact
@@ -58,6 +59,8 @@ class PodEnding:
     message: TerminationMessage
     disrupted: bool
     oom_killed: bool
+    scheduled_at: datetime | None = None  # bound to a node: its accelerators are held from here
+    finished_at: datetime | None = None  # the trainer container's end
 
     @property
     def reason(self) -> TerminationReason:
@@ -108,6 +111,35 @@ def is_finished(pod: Mapping[str, Any]) -> bool:
     moves the phase on.
     """
     return _get(pod, "status", "phase") in TERMINAL_PHASES or terminated_state(pod) is not None
+
+
+def _timestamp(value: object) -> datetime | None:
+    # The API serves RFC 3339 UTC ("2026-11-24T10:00:00Z"); anything else is not evidence.
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else None
+
+
+def scheduled_at(pod: Mapping[str, Any]) -> datetime | None:
+    """When the scheduler bound the pod to a node (its ``PodScheduled`` condition turned
+    True): the node's accelerators are the pod's from then on, pulling the image included."""
+    for condition in _get(pod, "status", "conditions") or []:
+        if (
+            isinstance(condition, Mapping)
+            and condition.get("type") == "PodScheduled"
+            and condition.get("status") == "True"
+        ):
+            return _timestamp(condition.get("lastTransitionTime"))
+    return None
+
+
+def finished_at(pod: Mapping[str, Any]) -> datetime | None:
+    """When the trainer container ended (``state.terminated.finishedAt``), if it has."""
+    return _timestamp((terminated_state(pod) or {}).get("finishedAt"))
 
 
 def disruption(pod: Mapping[str, Any]) -> str | None:
@@ -216,6 +248,8 @@ def classify_pod(pod: Mapping[str, Any], *, last_committed_step: int | None = No
         message=message,
         disrupted=disrupted_by is not None,
         oom_killed=oom_killed,
+        scheduled_at=scheduled_at(pod),
+        finished_at=finished_at(pod),
     )
 
 
