@@ -24,8 +24,10 @@ from pipeline.reasons import (
     AttemptEvidence,
     ObservedEnding,
     Termination,
+    classify,
     classify_exit,
     classify_observed,
+    evidence_for_attempt,
     oom_kills_since,
     read_cgroup_oom_kills,
     read_last_words,
@@ -238,6 +240,102 @@ def _first_failed_rank(store: Path, run_id: str, attempt_no: int) -> dict[str, A
     return first if isinstance(first, dict) else None
 
 
+@dataclass(frozen=True)
+class StoredEvidence:
+    """What the attempt's processes left in the store: last words and the ranks' verdict."""
+
+    words: dict[str, Any] | None  # the story's words: the first failed rank's, else rank 0's
+    signal: str | None  # the signal the trainer said it received
+    reached: int | None  # the furthest step any rank said it reached
+    first_failure: dict[str, Any] | None  # the launcher's first failed rank (distributed)
+
+    def told(self, termination: Termination) -> Termination:
+        """``termination`` with the rank that failed first named, when the launcher saw one."""
+        first = self.first_failure
+        if first is None:
+            return termination
+        return replace(
+            termination,
+            detail=f"{termination.detail} Rank {first.get('rank')} failed first: "
+            f"{str(first.get('detail')).rstrip('.')}.",
+        )
+
+
+def stored_evidence(
+    store: Path, run_id: str, attempt_no: int, first_failure: dict[str, Any] | None = None
+) -> StoredEvidence:
+    """Read the attempt's last words and the launcher's ranks summary from the store.
+
+    ``first_failure`` may be given by a launcher that decided it itself (it is also what the
+    summary on disk holds).
+    """
+    from pipeline.trainer.attempt import last_words_path
+
+    words = rank0_words = read_last_words(last_words_path(store, run_id, attempt_no))
+    first = first_failure or _first_failed_rank(store, run_id, attempt_no)
+    if first is not None and first.get("rank"):
+        # Rank 0's last words describe what it saw (a peer gone); the rank that failed first
+        # is the story, with its own last words when it left any (a SIGKILL leaves none).
+        words = read_last_words(last_words_path(store, run_id, attempt_no, rank=int(first["rank"])))
+    # A trainer that caught SIGTERM exits 75 on its own, so the process shows no signal, but its
+    # last words name the one it received (the story's words only: rank 0's SIGTERM from the
+    # agent is not why a SIGKILLed peer's attempt ended). They also name the step it reached
+    # (the ranks step together: the furthest any of them says it got is the attempt's).
+    signal_name = _words_field(words, "signal", str)
+    steps = [_words_field(w, "step", int) for w in (words, rank0_words)]
+    reached = max((s for s in steps if s is not None), default=None)
+    return StoredEvidence(words=words, signal=signal_name, reached=reached, first_failure=first)
+
+
+def end_self_owned_attempt(
+    ledger: Ledger,
+    *,
+    store: Path,
+    run_id: str,
+    attempt_no: int,
+    exit_code: int,
+    first_failure: dict[str, Any] | None,
+    reached: int | None,
+    cpu_seconds: float,
+    gpu_seconds: float,
+) -> AttemptRecord | None:
+    """Close a self-owned distributed attempt from the launcher, which saw every rank end.
+
+    Rank 0 began the attempt and left its end to the launcher: rank 0 alone would say what it
+    saw (a collective that broke), not which rank failed first and why. Classified from the
+    same evidence as :func:`finish_attempt`. None if the attempt was already closed.
+    """
+    attempt = ledger.get_attempt(run_id, attempt_no)
+    if attempt.ended_at is not None:
+        return None
+    found = stored_evidence(store, run_id, attempt_no, first_failure)
+    latest = ledger.latest_committed_checkpoint(run_id)
+    steps = [s for s in (latest.step if latest else None, found.reached, reached) if s is not None]
+    last_step = max(steps, default=None)
+    termination = found.told(
+        classify(
+            evidence_for_attempt(
+                attempt,
+                exit_code=exit_code,
+                signal_name=found.signal,
+                last_words=found.words,
+                last_committed_step=last_step,
+            )
+        )
+    )
+    return ledger.end_attempt(
+        run_id,
+        attempt_no,
+        termination_reason=termination.reason,
+        termination_detail=termination.detail,
+        exit_code=exit_code,
+        signal=found.signal,
+        gpu_seconds=gpu_seconds,
+        cpu_seconds=cpu_seconds,
+        last_step=last_step,
+    )
+
+
 def finish_attempt(
     ledger: Ledger,
     prepared: PreparedAttempt,
@@ -257,27 +355,15 @@ def finish_attempt(
     here (last words, the last committed step) by :func:`~pipeline.reasons.classify_observed`.
     ``placement`` adds where the trainer ran (pod, node, workload, image) to the receipt.
     """
-    from pipeline.trainer.attempt import last_words_path
-
     run_id, attempt_no = prepared.run.run_id, prepared.attempt.attempt_no
     latest = ledger.latest_committed_checkpoint(run_id)
     last_step = latest.step if latest else None
-    words = rank0_words = read_last_words(last_words_path(store, run_id, attempt_no))
-    first_failure = _first_failed_rank(store, run_id, attempt_no)
-    if first_failure is not None and first_failure.get("rank"):
-        # Rank 0's last words describe what it saw (a peer gone); the rank that failed first
-        # is the story, with its own last words when it left any (a SIGKILL leaves none).
-        words = read_last_words(
-            last_words_path(store, run_id, attempt_no, rank=int(first_failure["rank"]))
-        )
-    # Evidence first: a trainer that caught SIGTERM exits 75 on its own, so the process shows no
-    # signal, but its last words name the one it received; they also name the step it reached
-    # (the ranks step together: the furthest any of them says it got is the attempt's).
-    signal_name = signal_name or _words_field(words, "signal", str)
-    steps = [_words_field(w, "step", int) for w in (words, rank0_words)]
-    reached = max((s for s in steps if s is not None), default=None)
-    if reached is not None and (last_step is None or reached > last_step):
-        last_step = reached
+    # Evidence first: the process's own signal, else the one the trainer's last words name.
+    found = stored_evidence(store, run_id, attempt_no)
+    words = found.words
+    signal_name = signal_name or found.signal
+    if found.reached is not None and (last_step is None or found.reached > last_step):
+        last_step = found.reached
     wall = (datetime.now(UTC) - prepared.attempt.started_at).total_seconds()
     if observed is None:
         termination = classify_exit(
@@ -303,12 +389,7 @@ def finish_attempt(
                 max_wall_seconds=prepared.train_config.max_wall_seconds,
             ),
         )
-    if first_failure is not None:
-        termination = replace(
-            termination,
-            detail=f"{termination.detail} Rank {first_failure.get('rank')} failed first: "
-            f"{str(first_failure.get('detail')).rstrip('.')}.",
-        )
+    termination = found.told(termination)
     if placement:
         ledger.merge_placement(run_id, attempt_no, dict(placement))
     accelerators = _accelerators(ledger.get_attempt(run_id, attempt_no).placement or {})

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +33,8 @@ from pipeline.checkpoint import (
     verify_checkpoint,
 )
 from pipeline.checkpoint.layout import COMMITTED_FILE, DCP_METADATA_FILE
-from pipeline.distributed.launch import RankOutcome, decide_exit
+from pipeline.distributed.launch import RankOutcome, decide_exit, end_deferred_attempt
+from pipeline.ledger import AttemptStart, Ledger
 from pipeline.trainer import exit_codes
 from tests.checkpoint_support import resign
 
@@ -243,7 +245,6 @@ def test_kill_one_rank_at_random_moments_then_sigterm_all(
 def test_reshard_two_ranks_to_one_and_one_to_two(workdir: Path, reshard_config: Path) -> None:
     config = reshard_config
     from pipeline.explain import explain
-    from pipeline.ledger import Ledger
 
     store = workdir / "reshard"
     ledger_url = f"sqlite:///{workdir / 'reshard-ledger.db'}"
@@ -329,7 +330,6 @@ def test_an_orchestrated_attempt_whose_rank_1_is_killed_names_it_on_the_receipt(
     from pipeline.data.landing import write_digits_landing
     from pipeline.data.snapshot import create_snapshot
     from pipeline.explain import explain
-    from pipeline.ledger import Ledger
     from pipeline.settings import TracksSettings
     from pipeline.trainer.config import TrainConfig
 
@@ -394,3 +394,117 @@ def test_an_orchestrated_attempt_whose_rank_1_is_killed_names_it_on_the_receipt(
     page = explain(ledger, run_id)
     assert "Rank 1 failed first" in page
     assert "2 ranks" in page or "2 (" in page, page
+
+
+@pytest.mark.slow
+def test_a_self_owned_attempt_whose_rank_1_is_killed_is_closed_by_the_launcher(
+    workdir: Path, config: Path
+) -> None:
+    """``--ledger-url`` without ``--attempt-no``: rank 0 begins the attempt, and the launcher,
+    the one process that saw every rank end, closes it naming the rank that failed first."""
+    from pipeline.explain import explain
+
+    store = workdir / "self-owned"
+    ledger_url = f"sqlite:///{workdir / 'self-owned-ledger.db'}"
+    run_id = "self-owned-kill"
+    env = {"TRACKS_LEDGER_URL": ledger_url, "TRACKS_FAULT_SLEEP_AFTER_STEP": "60@12"}
+    process = _launch(config, store, run_id, env=env)
+    ledger = Ledger.open(ledger_url)
+    try:
+        deadline = time.monotonic() + 90
+        while (latest := ledger.latest_committed_checkpoint(run_id)) is None or latest.step < 10:
+            assert process.poll() is None and time.monotonic() < deadline, "no commit at step 10"
+            time.sleep(0.1)
+        time.sleep(0.3)  # both ranks wait in the pause after step 12
+        os.kill(_rank_pids(process.pid)[1], signal.SIGKILL)
+        returncode = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert returncode == 128 + signal.SIGKILL
+    attempt = ledger.get_attempt(run_id, 1)
+    assert attempt.ended_at is not None, "the launcher did not close the attempt"
+    assert attempt.termination_reason == "preempted", attempt.termination_detail
+    assert "Rank 1 failed first" in attempt.termination_detail, attempt.termination_detail
+    assert "SIGKILL" in attempt.termination_detail
+    assert attempt.exit_code == 128 + signal.SIGKILL
+    # Rank 0 said where the ranks were when rank 1 died: past the last commit, at step 12.
+    assert attempt.last_step == 12, attempt.last_step
+    assert attempt.cpu_seconds > 0  # the ranks' clocks, added up by the launcher
+    assert "Rank 1 failed first" in explain(ledger, run_id)
+
+
+def _open_attempt(tmp_path: Path, run_id: str = "deferred") -> tuple[str, Ledger]:
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger.open(url)
+    ledger.create_run(
+        run_id=run_id, model_family="digits-cnn", owner="test", purpose="baseline",
+        config_sha256="c" * 64, snapshot_id="digits-0123",
+    )  # fmt: skip
+    ledger.begin_attempt(
+        run_id,
+        AttemptStart(
+            config_snapshot={},
+            config_sha256="c" * 64,
+            data_manifest_sha256="d" * 64,
+            container_digest="env:test",
+        ),
+    )
+    return url, ledger
+
+
+def _outcome(rank: int, code: int, **fields: Any) -> RankOutcome:
+    return RankOutcome(
+        rank=rank, exit_code=code, reason=fields.pop("reason", None),
+        detail=fields.pop("detail", f"rank {rank} said {code}"), step=fields.pop("step", None),
+        ended_at=fields.pop("ended_at", 1.0), attempt_no=fields.pop("attempt_no", 1), **fields,
+    )  # fmt: skip
+
+
+def test_the_launcher_closes_only_a_self_owned_attempt_rank_0_left_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, ledger = _open_attempt(tmp_path)
+    monkeypatch.delenv("TRACKS_LEDGER_URL", raising=False)
+    args = ["--config", "c.yaml", "--run-id", "deferred", "--store", str(tmp_path / "store")]
+    said = "rank 1 was killed by SIGKILL without last words"
+    killed = _outcome(1, 137, detail=said, ended_at=0.5)
+    broke = {"reason": "infra_transient", "detail": "a peer rank is gone"}
+    rank0 = _outcome(0, 74, step=7, deferred_end=True, cpu_seconds=2.0, **broke)
+    outcomes = [rank0, killed]
+    code, first = decide_exit(outcomes)
+
+    # Orchestrated (--attempt-no): its orchestrator closes it. No ledger: nothing to close.
+    end_deferred_attempt([*args, "--attempt-no", "1", "--ledger-url", url], outcomes, code, first)
+    end_deferred_attempt(args, outcomes, code, first)
+    # Rank 0 closed it itself (an older trainer, or not under this launcher's outcome dir).
+    not_left = [_outcome(0, 74, **broke), killed]
+    end_deferred_attempt([*args, "--ledger-url", url], not_left, code, first)
+    assert ledger.get_attempt("deferred", 1).ended_at is None
+
+    end_deferred_attempt([*args, "--ledger-url", url], outcomes, code, first)
+    attempt = ledger.get_attempt("deferred", 1)
+    assert attempt.ended_at is not None and attempt.exit_code == 137
+    assert attempt.termination_reason == "preempted", attempt.termination_detail
+    assert attempt.termination_detail.endswith(
+        "Rank 1 failed first: rank 1 was killed by SIGKILL without last words."
+    )
+    assert attempt.last_step == 7 and attempt.cpu_seconds == 2.0
+
+
+def test_a_self_owned_attempt_whose_rank_0_was_killed_is_closed_from_the_others_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, ledger = _open_attempt(tmp_path)
+    monkeypatch.setenv("TRACKS_LEDGER_URL", url)  # the trainer's default, read here too
+    args = ["--run-id", "deferred", "--store", str(tmp_path / "store")]
+    outcomes = [
+        _outcome(0, 137, detail="rank 0 was killed by SIGKILL without last words", attempt_no=None),
+        _outcome(1, exit_codes.INFRA_TRANSIENT, step=9, ended_at=2.0, cpu_seconds=1.5),
+    ]
+    code, first = decide_exit(outcomes)
+    end_deferred_attempt(args, outcomes, code, first)
+    attempt = ledger.get_attempt("deferred", 1)
+    assert attempt.ended_at is not None and attempt.exit_code == 137
+    assert "Rank 0 failed first: rank 0 was killed by SIGKILL" in attempt.termination_detail
+    assert attempt.last_step == 9

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline import redact
 from pipeline.trainer import exit_codes
 
 OUTCOME_DIR_ENV = "TRACKS_RANK_OUTCOME_DIR"
@@ -52,6 +53,11 @@ class RankOutcome:
     step: int | None
     ended_at: float  # seconds since the epoch; orders the failures
     attempt_no: int | None = None
+    # Self-owned attempts (a ledger, no --attempt-no): rank 0 began the attempt and left its
+    # end to this launcher, with what it spent (it alone knows its clocks).
+    deferred_end: bool = False
+    cpu_seconds: float = 0.0
+    gpu_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +95,9 @@ def write_rank_outcome(
     detail: str,
     step: int | None,
     attempt_no: int | None = None,
+    deferred_end: bool = False,
+    cpu_seconds: float = 0.0,
+    gpu_seconds: float = 0.0,
 ) -> None:
     """Called by each rank on its way out, when launched by this module."""
     directory = os.environ.get(OUTCOME_DIR_ENV)
@@ -104,6 +113,9 @@ def write_rank_outcome(
         "step": step,
         "attempt_no": attempt_no,
         "ended_at": time.time(),
+        "deferred_end": deferred_end,
+        "cpu_seconds": cpu_seconds,
+        "gpu_seconds": gpu_seconds,
     }
     replace_atomically(Path(directory) / f"outcome-{rank}.json", json.dumps(payload).encode())
 
@@ -125,6 +137,9 @@ def read_outcomes(directory: Path, world_size: int, failures: dict[int, Any]) ->
                     step=data.get("step"),
                     ended_at=float(data.get("ended_at", 0.0)),
                     attempt_no=data.get("attempt_no"),
+                    deferred_end=data.get("deferred_end") is True,
+                    cpu_seconds=float(data.get("cpu_seconds") or 0.0),
+                    gpu_seconds=float(data.get("gpu_seconds") or 0.0),
                 )
             )
             continue
@@ -185,6 +200,59 @@ def write_termination_message(first: RankOutcome | None, exit_code: int, world_s
         print(f"pipeline.distributed.launch: cannot write {path}: {exc}", file=sys.stderr)
 
 
+def launched_here() -> bool:
+    """True in a rank started by this module (its outcome reaches the launcher)."""
+    return bool(os.environ.get(OUTCOME_DIR_ENV))
+
+
+def _trainer_args(trainer_args: list[str]) -> argparse.Namespace:
+    trainer = argparse.ArgumentParser(add_help=False)
+    trainer.add_argument("--store")
+    trainer.add_argument("--run-id")
+    trainer.add_argument("--attempt-no", type=int)
+    trainer.add_argument("--ledger-url")
+    known, _ = trainer.parse_known_args(trainer_args)
+    return known
+
+
+def end_deferred_attempt(
+    trainer_args: list[str], outcomes: list[RankOutcome], exit_code: int, first: RankOutcome | None
+) -> None:
+    """Close a self-owned attempt whose rank 0 left its end to this launcher.
+
+    Orchestrated attempts (``--attempt-no``) are closed by their orchestrator, which reads the
+    ranks summary; self-owned ones had only rank 0 to close them, which saw its peers' failures
+    only as a broken collective. Rank 0 SIGKILLed leaves no outcome: the attempt it began is
+    closed all the same, with what the other ranks and the agent saw.
+    """
+    known = _trainer_args(trainer_args)
+    url = known.ledger_url or os.environ.get("TRACKS_LEDGER_URL")
+    rank0 = next((o for o in outcomes if o.rank == 0), None)
+    numbers = {o.attempt_no for o in outcomes if o.attempt_no is not None}
+    if (
+        known.attempt_no is not None
+        or not (url and known.store and known.run_id and len(numbers) == 1)
+        # Rank 0 spoke (reason set: its own outcome file) and closed the attempt itself.
+        or (rank0 is not None and rank0.reason is not None and not rank0.deferred_end)
+    ):
+        return
+    from pipeline.attempts import end_self_owned_attempt
+    from pipeline.ledger import Ledger
+
+    steps = [o.step for o in outcomes if o.step is not None]
+    end_self_owned_attempt(
+        Ledger.open(url),
+        store=Path(known.store),
+        run_id=known.run_id,
+        attempt_no=numbers.pop(),
+        exit_code=exit_code,
+        first_failure=first.as_dict() if first else None,
+        reached=max(steps, default=None),
+        cpu_seconds=sum(o.cpu_seconds for o in outcomes),
+        gpu_seconds=rank0.gpu_seconds if rank0 else 0.0,
+    )
+
+
 def ranks_summary_path(store: str | Path, run_id: str, attempt_no: int) -> Path:
     """``<store>/<run_id>/attempt-<n>.ranks.json``: every rank's ending and the first failure."""
     from pipeline import ids
@@ -201,11 +269,7 @@ def write_ranks_summary(
     world_size: int,
 ) -> Path | None:
     """Beside the last words, so the attempt's receipt names the rank that failed first."""
-    trainer = argparse.ArgumentParser(add_help=False)
-    trainer.add_argument("--store")
-    trainer.add_argument("--run-id")
-    trainer.add_argument("--attempt-no", type=int)
-    known, _ = trainer.parse_known_args(trainer_args)
+    known = _trainer_args(trainer_args)
     numbers = {o.attempt_no for o in outcomes if o.attempt_no is not None}
     attempt_no = known.attempt_no or (numbers.pop() if len(numbers) == 1 else None)
     if not (known.store and known.run_id and attempt_no):
@@ -301,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         write_ranks_summary(args.trainer_args, outcomes, code, first, world_size)
     except (OSError, ValueError) as exc:
         print(f"pipeline.distributed.launch: no ranks summary: {exc}", file=sys.stderr)
+    try:
+        end_deferred_attempt(args.trainer_args, outcomes, code, first)
+    except Exception as exc:  # the ledger unreachable: the silent-attempt sweep closes it later
+        said = redact.text(f"{type(exc).__name__}: {exc}")[:500]
+        print(f"pipeline.distributed.launch: attempt not closed: {said}", file=sys.stderr)
     if first is not None:
         print(
             f"pipeline.distributed.launch: rank {first.rank} failed first "

@@ -30,6 +30,7 @@ from pipeline.checkpoint import (
     layout,
 )
 from pipeline.distributed import CollectiveError, Groups, PeerRankError, World
+from pipeline.distributed.launch import launched_here
 from pipeline.states import TerminationReason
 from pipeline.tracking import TrainingTracker
 from pipeline.trainer import exit_codes
@@ -136,6 +137,18 @@ def run_training(
     if trainer is not None and trainer.loop_started is not None:
         timings["setup_seconds"] = round(trainer.loop_started - started, 3)
         timings["training_seconds"] = round(ended - trainer.loop_started, 3)
+    cpu_seconds = time.process_time() - cpu_started
+    # One accelerator per rank when distributed; every visible one for a single process.
+    gpu_seconds = (
+        wall * (world.world_size if world.distributed else torch.cuda.device_count())
+        if trainer and trainer.on_gpu
+        else 0.0
+    )
+    # Self-owned and distributed under the launcher: the launcher closes the attempt, because
+    # it alone sees which rank failed first (rank 0 sees a broken collective).
+    defer_end = bool(
+        world.distributed and launched_here() and attempt is not None and attempt.owns_attempt
+    )
     number = _leave_receipt(
         outcome,
         config=loaded,
@@ -146,14 +159,10 @@ def run_training(
         run_id=run_id,
         attempt_no=attempt_no,
         config_source=None if isinstance(config, TrainConfig) else str(config),
-        cpu_seconds=time.process_time() - cpu_started,
-        # One accelerator per rank when distributed; every visible one for a single process.
-        gpu_seconds=(
-            wall * (world.world_size if world.distributed else torch.cuda.device_count())
-            if trainer and trainer.on_gpu
-            else 0.0
-        ),
+        cpu_seconds=cpu_seconds,
+        gpu_seconds=gpu_seconds,
         rank=world.rank,
+        defer_end=defer_end,
     )
     if trainer is not None and trainer.groups is not None:
         trainer.groups.close()
@@ -168,6 +177,9 @@ def run_training(
                 detail=outcome.detail,
                 step=outcome.step,
                 attempt_no=attempt.attempt_no if attempt is not None else attempt_no,
+                deferred_end=defer_end,
+                cpu_seconds=cpu_seconds,
+                gpu_seconds=gpu_seconds,
             )
         except OSError as exc:
             reporter.event("outcome_unwritten", {"error": str(exc)[:300]}, level="warning")
@@ -209,13 +221,19 @@ def _leave_receipt(
     gpu_seconds: float,
     config_source: str | None = None,
     rank: int = 0,
+    defer_end: bool = False,
 ) -> int:
-    """End a self-owned attempt in the ledger and write last words; returns the attempt number."""
+    """End a self-owned attempt in the ledger and write last words; returns the attempt number.
+
+    ``defer_end``: begin the attempt if it failed before it could, but leave its end to the
+    launcher (``pipeline.distributed.launch.end_deferred_attempt``).
+    """
     data = trainer.data if trainer else None
     if attempt is not None and config is None and config_source is not None:
         try:
             attempt.begin_unloadable(config_source, outcome.detail)
-            attempt.end(outcome, cpu_seconds=cpu_seconds, gpu_seconds=gpu_seconds)
+            if not defer_end:
+                attempt.end(outcome, cpu_seconds=cpu_seconds, gpu_seconds=gpu_seconds)
         except Exception as exc:
             reporter.event("ledger_unreachable", {"error": str(exc)[:500]}, level="error")
     if attempt is not None and config is not None:
@@ -228,7 +246,8 @@ def _leave_receipt(
                     data_manifest_sha256=data.manifest_sha256 if data else None,
                     resumed_from=None,
                 )
-            attempt.end(outcome, cpu_seconds=cpu_seconds, gpu_seconds=gpu_seconds)
+            if not defer_end:
+                attempt.end(outcome, cpu_seconds=cpu_seconds, gpu_seconds=gpu_seconds)
         except Exception as exc:
             reporter.event("ledger_unreachable", {"error": str(exc)[:500]}, level="error")
     number = (attempt.attempt_no if attempt else None) or attempt_no
