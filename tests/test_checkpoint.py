@@ -20,11 +20,13 @@ from pipeline.checkpoint import (
     COMMITTED_FILE,
     MANIFEST_FILE,
     MODEL_FILE,
+    OPTIMIZER_FILE,
     PROBE_FILE,
     TRAINER_STATE_FILE,
     CheckpointConfig,
     CheckpointManager,
     CorruptCheckpointError,
+    RestoreDivergedError,
     TrainingState,
     UnsafeCheckpointError,
     checkpoint_dirs,
@@ -34,6 +36,7 @@ from pipeline.checkpoint import (
 from pipeline.checkpoint import manager as manager_module
 from pipeline.checkpoint import writer as checkpoint_writer
 from pipeline.checkpoint.codec import StateEncodingError, decode_state, encode_state
+from pipeline.checkpoint.state import live_tensors
 from pipeline.digests import sha256_bytes
 from pipeline.ledger import AttemptStart, EvaluationRecord, Ledger, StaleFencingTokenError
 from pipeline.states import CheckpointState
@@ -598,3 +601,99 @@ def test_large_files_are_written_byte_for_byte_and_the_fault_hook_sees_half(
     assert digest.hexdigest() == blake3.blake3(expected).hexdigest()  # hashed inline, no padding
     assert len(calls) == (1 if direct else 0)
     assert len(seen) == 1 and 0 <= len(expected) // 2 - seen[0] < (4096 if direct else 1)
+
+
+# -- reading straight into the live tensors -----------------------------------------------------
+
+
+def test_resume_reads_into_the_live_tensors_and_training_continues_bit_exact(
+    tmp_path: Path,
+) -> None:
+    data = _data()
+    original = _state(data)
+    _steps(original, data, 9)
+    _manager(tmp_path).save(original)
+    expected = _steps(original, data, 4)
+    # A state that has stepped already: its parameters and Adam moments exist to be read into.
+    resumed = _state(data, seed=99)
+    _steps(resumed, data, 3)
+    params = {k: v.data_ptr() for k, v in resumed.model.state_dict().items()}
+    moments = {
+        k: v.data_ptr() for k, v in live_tensors(resumed)[OPTIMIZER_FILE].items() if v.numel()
+    }
+    info = _manager(tmp_path, attempt=2).resume(resumed)
+    assert info is not None and info.step == 9
+    # The same memory holds the checkpoint's values: nothing was mapped afresh or copied in.
+    assert {k: v.data_ptr() for k, v in resumed.model.state_dict().items()} == params
+    after = live_tensors(resumed)[OPTIMIZER_FILE]
+    assert {k: after[k].data_ptr() for k in moments} == moments
+    assert _steps(resumed, data, 4) == expected
+
+
+def test_a_corrupt_checkpoint_read_into_the_live_state_is_overwritten_by_the_previous_one(
+    tmp_path: Path,
+) -> None:
+    data = _data()
+    state = _state(data)
+    previous, newest = _save_at(_manager(tmp_path), state, data, [10, 20])
+    _flip_byte(newest)  # found only once its bytes are in the live parameters
+    resumed = _state(data, seed=5)
+    _steps(resumed, data, 2)
+    info = _manager(tmp_path, attempt=2).resume(resumed)
+    assert info is not None and info.path == previous
+    clean = _state(data, seed=6)
+    assert _manager(tmp_path, attempt=3).resume(clean) is not None
+    for key, value in clean.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[key]), key
+    for key, value in live_tensors(clean)[OPTIMIZER_FILE].items():
+        assert torch.equal(value, live_tensors(resumed)[OPTIMIZER_FILE][key]), key
+
+
+def test_when_no_checkpoint_restores_after_one_changed_the_live_state_resume_says_so(
+    tmp_path: Path,
+) -> None:
+    data = _data()
+    state = _state(data)
+    (only,) = _save_at(_manager(tmp_path), state, data, [10])
+    _flip_byte(only)
+    resumed = _state(data, seed=5)
+    with pytest.raises(RestoreDivergedError, match="no older checkpoint restored"):
+        _manager(tmp_path, attempt=2).resume(resumed)
+    assert only not in _manager(tmp_path, attempt=3).committed_dirs()  # marked corrupt
+    # A checkpoint of another config is passed over before a byte of it is read.
+    other = _state(data, seed=5)
+    before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    _save_at(_manager(tmp_path / "other"), _state(data), data, [10])
+    other.config_sha256 = "e" * 64
+    assert _manager(tmp_path / "other", attempt=2).resume(other) is None
+    assert all(torch.equal(v, other.model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_header_that_places_bytes_outside_its_tensor_is_read_the_ordinary_way(
+    tmp_path: Path,
+) -> None:
+    data = _data()
+    state = _state(data)
+    _steps(state, data, 2)
+    path = _manager(tmp_path).save(state).path
+    # Re-signed, so the digest matches: a header whose offsets overlap must not steer bytes.
+    raw = (path / MODEL_FILE).read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    entries = {n: e for n, e in header.items() if n != "__metadata__"}
+    # The last tensor's bytes claimed to start where the first one's do: two tensors, one place.
+    last = max(entries, key=lambda n: entries[n]["data_offsets"][0])
+    begin, end = entries[last]["data_offsets"]
+    entries[last]["data_offsets"] = [0, end - begin]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (length - len(text))
+    assert len(text) == length
+    (path / MODEL_FILE).write_bytes(raw[:8] + text + raw[8 + length :])
+    resign(path, MODEL_FILE)
+    resumed = _state(data, seed=5)
+    before = {k: v.clone() for k, v in resumed.model.state_dict().items()}
+    # Read whole and verified, nothing read in place: the parsed tensors fail their probe,
+    # the copy taken before the restore puts the state back, and no checkpoint is left.
+    assert _manager(tmp_path, attempt=2).resume(resumed) is None
+    assert all(torch.equal(v, resumed.model.state_dict()[k]) for k, v in before.items())
+    assert path not in _manager(tmp_path, attempt=3).committed_dirs()

@@ -319,6 +319,37 @@ def test_corrupt_newest_checkpoint_is_marked_in_ledger_and_resume_uses_previous(
     assert latest.parent_path == str(store.resolve() / "corrupt" / "step-0000000050-a01")
 
 
+def test_when_every_checkpoint_is_corrupt_the_trainer_starts_over_from_the_seed(
+    reference: Reference, config_path: Path, tmp_path: Path
+) -> None:
+    """Checkpoints are read straight into the live tensors, so one that fails its digest has
+    already changed them; with nothing older to restore, the trainer builds its initial state
+    again and the run equals one that never had a checkpoint, bit for bit."""
+    store, url = tmp_path / "store", f"sqlite:///{tmp_path / 'ledger.db'}"
+    first = run_trainer(config_path, store, "all-corrupt", "--ledger-url", url)
+    assert first.returncode == 0, first.stderr
+    corrupted = [d for d in (store / "all-corrupt").iterdir() if (d / MODEL_FILE).exists()]
+    assert corrupted
+    for directory in corrupted:
+        model = directory / MODEL_FILE
+        os.chmod(model, 0o644)
+        raw = bytearray(model.read_bytes())
+        raw[-7] ^= 0x10
+        model.write_bytes(bytes(raw))
+
+    second = run_trainer(config_path, store, "all-corrupt", "--ledger-url", url)
+    assert second.returncode == 0, second.stderr
+    assert [e for e in second.events if e["event"] == "restore_diverged"]
+    ledger = Ledger(url)
+    for directory in corrupted:
+        assert ledger.get_checkpoint(str(directory.resolve())).state == CheckpointState.CORRUPT
+    _, two = ledger.attempts("all-corrupt")
+    assert two.resumed_from_checkpoint is None
+    assert min(second.losses()) == 1  # trained from the first step
+    final = store / "all-corrupt" / f"step-{MAX_STEPS:010d}-a02" / MODEL_FILE
+    assert final.read_bytes() == reference.final_model
+
+
 def test_stale_fencing_token_refuses_commit_and_leaves_no_committed(
     config_path: Path, tmp_path: Path
 ) -> None:

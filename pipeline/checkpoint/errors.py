@@ -47,16 +47,18 @@ class CheckpointMismatchError(CheckpointError):
 
 
 class RestoreDivergedError(CheckpointError):
-    """The live state was overwritten by a checkpoint that then failed its post-restore probe.
+    """No candidate restored, and one failed after it had changed the live state.
 
-    Only possible when the same weights passed the probe outside the model just before (so no
-    copy of the prior state was kept): the state is neither the checkpoint's nor the original,
-    and the attempt must stop rather than train on it.
+    Checkpoints are read straight into the live tensors, so a candidate that fails its digest
+    or its post-restore probe leaves them holding its bytes; an older candidate that restores
+    overwrites them. When none does, the state is neither a checkpoint's nor the initial one:
+    the caller must build its initial state again (the trainer does, from the seed) rather
+    than train on it.
     """
 
     def __init__(self, directory: str | Path, detail: str) -> None:
         super().__init__(
-            f"checkpoint {directory}: restored state failed its probe after the weights alone "
-            f"passed it ({detail}); the live state is unusable, stopping this attempt"
+            f"checkpoint {directory} failed after it was read into the live state ({detail}),"
+            " and no older checkpoint restored: the live state is unusable until rebuilt"
         )
         self.directory = str(directory)

@@ -56,6 +56,7 @@ from pipeline.checkpoint.state import (
     StagingBuffers,
     TrainingState,
     capture_checkpoint,
+    live_tensors,
     probe_logits,
     restore_training_state,
     stage_checkpoint,
@@ -66,6 +67,7 @@ from pipeline.checkpoint.verify import (
     checkpoint_dirs,
     is_committed,
     load_checkpoint,
+    read_trainer_state,
 )
 from pipeline.checkpoint.writer import (
     WrittenCheckpoint,
@@ -484,17 +486,28 @@ class CheckpointManager:
         A candidate that fails is marked corrupt (in the ledger when attached) and the
         previous one is tried. Returns None, with ``state`` untouched, when none is usable.
 
-        Keeping ``state`` untouched takes a copy of it before the first restore, unless the
-        candidate's weights already reproduce its probe logits outside the model: then the
-        restore cannot fail on them, and the copy (a second full pass over memory, ~40% of a
-        large model's resume) is skipped.
+        Each candidate is checked against the run first (its ``trainer_state.json`` alone:
+        config, run, data), then its tensors are read straight into the live ones where they
+        match (CPU: the model's parameters and buffers, the optimizer's moments once they
+        exist). A resume then maps no fresh memory for them and copies nothing afterwards:
+        on a VM, first touching a gigabyte of fresh pages costs more CPU than reading it.
+        The price is that a candidate failing after its bytes were read (a digest, a probe)
+        leaves the live state changed. An older candidate that restores overwrites all of it
+        (model strictly, optimizer state whole); when none does, this raises
+        :class:`RestoreDivergedError` instead of returning a state that is neither, and the
+        trainer builds its initial state again from the seed.
+
+        Tensors not read in place (a model on a GPU) keep the rollback copy: a copy of the
+        live state before the first restore, skipped when the candidate's weights already
+        reproduce its probe logits outside the model.
         """
         fresh: StagedCheckpoint | None = None
+        changed: tuple[Path, Exception] | None = None
         for directory in self.committed_dirs():
             touched = False
             try:
-                contents = load_checkpoint(directory)
-                if contents.trainer_state.get("config_sha256") != state.config_sha256:
+                saved = read_trainer_state(directory)
+                if saved.get("config_sha256") != state.config_sha256:
                     # Written under an earlier config of this run (e.g. before an OOM retry
                     # with a smaller batch): not this trajectory, so not a resume target.
                     self._event(
@@ -502,10 +515,19 @@ class CheckpointManager:
                         {"path": str(directory), "why": "written under a different config"},
                     )
                     continue
-                self._check_belongs(contents, state)
-                if fresh is None and not (
-                    contents.trainer_state.get("step") == contents.info.step
-                    and probe_matches_outside_model(state, contents)
+                self._check_belongs(directory, saved, state)
+                into = live_tensors(state)
+                touched = any(into.values())  # bytes may land before the digest is known
+                contents = load_checkpoint(directory, into=into)
+                touched = contents.read_in_place
+                self._check_belongs(directory, contents.trainer_state, state)
+                if (
+                    not touched
+                    and fresh is None
+                    and not (
+                        contents.trainer_state.get("step") == contents.info.step
+                        and probe_matches_outside_model(state, contents)
+                    )
                 ):
                     fresh = stage_checkpoint(state, run_id=self.run_id, attempt_no=0)
                 touched = True
@@ -513,12 +535,16 @@ class CheckpointManager:
             except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
                 self.mark_corrupt(directory, exc)
                 if touched:
-                    if fresh is None:
-                        raise RestoreDivergedError(directory, str(exc)) from exc
-                    _restore_staged(state, fresh)
+                    if fresh is not None:
+                        _restore_staged(state, fresh)
+                        changed = None
+                    else:
+                        changed = (directory, exc)
                 continue
             self.last_committed = contents.info
             return contents.info
+        if changed is not None:
+            raise RestoreDivergedError(changed[0], str(changed[1])) from changed[1]
         return None
 
     def restore(self, state: TrainingState, contents: CheckpointContents) -> None:
@@ -542,24 +568,23 @@ class CheckpointManager:
             )
         validate_probe(state, contents)
 
-    def _check_belongs(self, contents: CheckpointContents, state: TrainingState) -> None:
-        saved = contents.trainer_state
+    def _check_belongs(self, directory: Path, saved: dict[str, Any], state: TrainingState) -> None:
         if saved.get("run_id") != self.run_id:
             raise CorruptCheckpointError(
-                contents.info.path,
+                directory,
                 "trainer_state.json",
                 f"run_id {saved.get('run_id')!r} but the checkpoint lies under run {self.run_id!r}",
             )
         if saved.get("config_sha256") != state.config_sha256:
             raise CheckpointMismatchError(
-                contents.info.path, "config_sha256", saved.get("config_sha256"), state.config_sha256
+                directory, "config_sha256", saved.get("config_sha256"), state.config_sha256
             )
         if (
             state.data_manifest_sha256 is not None
             and saved.get("data_manifest_sha256") != state.data_manifest_sha256
         ):
             raise CheckpointMismatchError(
-                contents.info.path,
+                directory,
                 "data_manifest_sha256",
                 saved.get("data_manifest_sha256"),
                 state.data_manifest_sha256,

@@ -506,7 +506,7 @@ class ShardedCheckpointManager(CheckpointManager):
                     {"path": str(directory), "why": "written under a different config"},
                 )
                 continue
-            self._check_belongs(contents, state)
+            self._check_belongs(contents.info.path, contents.trainer_state, state)
             try:
                 self.restore(state, contents)
                 if info.world_size == size:

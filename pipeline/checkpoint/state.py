@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pipeline.checkpoint.codec import decode_state, encode_state
+from pipeline.checkpoint.layout import MODEL_FILE, OPTIMIZER_FILE
 
 STATE_FORMAT_VERSION = 1
 
@@ -279,6 +280,18 @@ def capture_checkpoint(
 
 def _host_copy(buffers: StagingBuffers | None, key: str, tensor: torch.Tensor) -> torch.Tensor:
     return buffers.copy(key, tensor) if buffers is not None else _to_host(tensor)
+
+
+def live_tensors(state: TrainingState) -> dict[str, dict[str, torch.Tensor]]:
+    """The live CPU tensors a checkpoint's tensor files can be read straight into, by file and
+    by the names the files use: the model's state_dict, and the optimizer's state (its moments
+    exist once it has stepped; before that it holds none)."""
+    model = {k: v for k, v in state.model.state_dict().items() if v.device.type == "cpu"}
+    _, optimizer = encode_state(state.optimizer.state_dict(), "optimizer")
+    return {
+        MODEL_FILE: model,
+        OPTIMIZER_FILE: {k: v for k, v in optimizer.items() if v.device.type == "cpu"},
+    }
 
 
 def restore_training_state(

@@ -10,6 +10,7 @@ header and each tensor's own memory, and the reader returns views into the one b
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,6 +80,68 @@ def safetensors_chunks(
     return [memoryview(len(raw).to_bytes(8, "little") + raw), *views]
 
 
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors header: where its bytes lie in the data section."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def header_length(head: bytes, size: int) -> int:
+    """The JSON header's length from the file's first 8 bytes, checked against its size."""
+    if size < 8 or len(head) < 8:
+        raise TensorFileError(f"{size} bytes is shorter than the 8-byte header length")
+    length = int.from_bytes(head[:8], "little")
+    if length > size - 8:
+        raise TensorFileError(f"header length {length} exceeds the {size}-byte file")
+    return length
+
+
+def parse_header(raw: bytes, data_size: int) -> tuple[list[TensorEntry], dict[str, str]]:
+    """The entries (in file order) and metadata of a JSON header over ``data_size`` bytes.
+
+    Raises :class:`TensorFileError` when the header does not describe the bytes.
+    """
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TensorFileError(f"header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise TensorFileError("header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    entries = []
+    for name, spec in header.items():
+        try:
+            dtype = DTYPES[spec["dtype"]]
+            shape = tuple(int(d) for d in spec["shape"])
+            start, end = (int(o) for o in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TensorFileError(f"{name}: malformed header entry {spec!r}") from exc
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if not 0 <= start <= end <= data_size or end - start != numel * dtype.itemsize:
+            raise TensorFileError(
+                f"{name}: offsets [{start}, {end}) do not hold {list(shape)} of "
+                f"{spec['dtype']} within {data_size} data bytes"
+            )
+        entries.append(TensorEntry(name, dtype, shape, start, end))
+    entries.sort(key=lambda entry: (entry.start, entry.end))
+    return entries, {str(k): str(v) for k, v in dict(metadata).items()}
+
+
+def tensor_view(data: torch.Tensor, entry: TensorEntry, offset: int = 0) -> torch.Tensor:
+    """``entry``'s tensor as a view of the 1-D uint8 ``data`` (bytes from ``offset``)."""
+    raw = data[entry.start - offset : entry.end - offset]
+    if (raw.storage_offset() * raw.element_size()) % entry.dtype.itemsize:
+        raw = raw.clone()  # unaligned (a foreign writer): one small copy
+    return raw.view(entry.dtype).reshape(entry.shape)
+
+
 def parse_safetensors(buffer: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors (views into ``buffer``, a 1-D uint8 tensor) and the file's metadata.
 
@@ -86,38 +149,7 @@ def parse_safetensors(buffer: torch.Tensor) -> tuple[dict[str, torch.Tensor], di
     Raises :class:`TensorFileError` when the header does not describe the bytes.
     """
     size = buffer.numel()
-    if size < 8:
-        raise TensorFileError(f"{size} bytes is shorter than the 8-byte header length")
-    header_len = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
-    if header_len > size - 8:
-        raise TensorFileError(f"header length {header_len} exceeds the {size}-byte file")
-    try:
-        header = json.loads(buffer[8 : 8 + header_len].numpy().tobytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TensorFileError(f"header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise TensorFileError("header is not a JSON object")
-    data = buffer[8 + header_len :]
-    metadata = header.pop("__metadata__", None) or {}
-    tensors: dict[str, torch.Tensor] = {}
-    for name, spec in header.items():
-        try:
-            dtype = DTYPES[spec["dtype"]]
-            shape = [int(d) for d in spec["shape"]]
-            start, end = (int(o) for o in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TensorFileError(f"{name}: malformed header entry {spec!r}") from exc
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if not 0 <= start <= end <= data.numel() or end - start != numel * itemsize:
-            raise TensorFileError(
-                f"{name}: offsets [{start}, {end}) do not hold {shape} of {spec['dtype']} "
-                f"within {data.numel()} data bytes"
-            )
-        raw = data[start:end]
-        if (raw.storage_offset() * raw.element_size()) % itemsize:
-            raw = raw.clone()  # unaligned (a foreign writer): one small copy
-        tensors[name] = raw.view(dtype).reshape(shape)
-    return tensors, {str(k): str(v) for k, v in dict(metadata).items()}
+    length = header_length(buffer[:8].numpy().tobytes(), size)
+    data = buffer[8 + length :]
+    entries, metadata = parse_header(buffer[8 : 8 + length].numpy().tobytes(), data.numel())
+    return {entry.name: tensor_view(data, entry) for entry in entries}, metadata

@@ -34,7 +34,15 @@ from pipeline.checkpoint.layout import (
     is_dcp_file,
     parse_checkpoint_dir_name,
 )
-from pipeline.checkpoint.tensorfile import TensorFileError, parse_safetensors
+from pipeline.checkpoint.tensorfile import (
+    TensorEntry,
+    TensorFileError,
+    header_length,
+    parse_header,
+    parse_safetensors,
+    tensor_bytes,
+    tensor_view,
+)
 from pipeline.digests import DigestAlgorithm, file_digest, new_hasher, recorded_digest, sha256_bytes
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
@@ -89,6 +97,9 @@ class CheckpointContents:
     probe_device: str
     # Where the probe logits were computed (None: written before this was recorded).
     probe_cpu_capability: str | None = None
+    # Bytes were read straight into tensors the caller passed (``load_checkpoint(into=…)``):
+    # those tensors now hold this checkpoint's values, verified or not.
+    read_in_place: bool = False
 
 
 def is_committed(directory: Path) -> bool:
@@ -321,37 +332,67 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, Lis
     return info, listed
 
 
-def load_checkpoint(directory: str | Path) -> CheckpointContents:
+def load_checkpoint(
+    directory: str | Path, *, into: dict[str, dict[str, torch.Tensor]] | None = None
+) -> CheckpointContents:
     """Verify, then read every file (safetensors and JSON, never pickle).
 
     Each data file is read once into memory and hashed as it arrives, two files at a time;
     only bytes whose digest matches MANIFEST.json are parsed, so a file changed at any moment
     is caught. The tensors returned are views into those buffers (no copy).
+
+    ``into`` maps a tensor file's name to tensors that already exist (the live model's
+    parameters, the optimizer's moments): each tensor of that file with the same name, dtype
+    and shape is read straight into them, and returned as them, so no fresh memory is mapped
+    and nothing is copied afterwards. Those tensors are overwritten before the digest is
+    known: when this raises, they hold unverified bytes (``resume`` knows what to do then).
     """
     info, listed = _verify_layout(directory)
     if info.format == SHARDED_FORMAT:
         from pipeline.checkpoint.sharded import load_sharded
 
         return load_sharded(info, listed)
+    into = into or {}
     # Two files are read and hashed side by side, largest first, so the disk always has a
     # read queued while a finished slice is hashed (a legacy SHA-256 hash runs on one core).
     wanted = sorted(
         (n for n in listed if n in (TRAINER_STATE_FILE, MODEL_FILE, OPTIMIZER_FILE, PROBE_FILE)),
         key=lambda name: -listed[name].size,
     )
+
+    def read(name: str) -> torch.Tensor | ParsedInPlace:
+        if into.get(name):
+            return read_verified_into(info.path, listed[name], into[name])
+        return read_verified(info.path, listed[name])
+
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-read") as pool:
-        futures = {name: pool.submit(read_verified, info.path, listed[name]) for name in wanted}
+        futures = {name: pool.submit(read, name) for name in wanted}
+        # Every read finishes before any error is raised: none may still write into ``into``.
+        done = [(name, future.exception()) for name, future in futures.items()]
+        failed = [exc for _, exc in done if exc is not None]
+        if failed:
+            raise failed[0]
         buffers = {name: future.result() for name, future in futures.items()}
     verify_files(info.path, listed, [name for name in listed if name not in buffers])
+    in_place = any(isinstance(b, ParsedInPlace) and b.in_place for b in buffers.values())
+
+    def parsed(name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        read = buffers[name]
+        if isinstance(read, ParsedInPlace):
+            return read.tensors, read.metadata
+        return parse_safetensors(read)
+
     name = TRAINER_STATE_FILE
     try:
-        trainer_state = json.loads(buffers[name].numpy().tobytes())
+        state_bytes = buffers[name]
+        assert isinstance(state_bytes, torch.Tensor)  # JSON: never read in place
+        trainer_state = json.loads(state_bytes.numpy().tobytes())
         name = MODEL_FILE
-        model, _ = parse_safetensors(buffers[name])
+        model, _ = parsed(name)
         name = OPTIMIZER_FILE
-        training_tensors, _ = parse_safetensors(buffers[name])
+        training_tensors, _ = parsed(name)
         name = PROBE_FILE
-        probe, probe_meta = parse_safetensors(buffers[name])
+        probe, probe_meta = parsed(name)
     except (TensorFileError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         # Bytes that match the manifest but do not parse: written wrong, never to be used.
         raise CorruptCheckpointError(info.path, name, f"does not load: {exc}") from exc
@@ -365,7 +406,197 @@ def load_checkpoint(directory: str | Path) -> CheckpointContents:
         probe=probe,
         probe_device=probe_meta.get("device", "cpu"),
         probe_cpu_capability=probe_meta.get("cpu_capability"),
+        read_in_place=in_place,
     )
+
+
+def read_trainer_state(directory: str | Path) -> dict[str, Any]:
+    """A committed checkpoint's ``trainer_state.json``, verified against MANIFEST.json.
+
+    Cheap (the layout and one small file): what a reader checks before it reads gigabytes.
+    """
+    info, listed = _verify_layout(directory)
+    if TRAINER_STATE_FILE not in listed:
+        raise CorruptCheckpointError(info.path, TRAINER_STATE_FILE, "not listed in MANIFEST.json")
+    raw = read_verified(info.path, listed[TRAINER_STATE_FILE]).numpy().tobytes()
+    try:
+        value = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(
+            info.path, TRAINER_STATE_FILE, f"does not load: {exc}"
+        ) from exc
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(info.path, TRAINER_STATE_FILE, "is not a JSON object")
+    return value
+
+
+@dataclass(frozen=True)
+class ParsedInPlace:
+    """A safetensors file read by :func:`read_verified_into`: its tensors and metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    in_place: bool  # some tensor was read straight into a destination
+
+
+def read_verified_into(
+    directory: Path, listed: ListedFile, destinations: dict[str, torch.Tensor]
+) -> ParsedInPlace:
+    """Read a safetensors file once, each tensor straight into ``destinations[name]`` when that
+    is a contiguous CPU tensor of the same dtype and shape, the rest into one fresh buffer;
+    every byte hashed in file order and compared with MANIFEST.json at the end.
+
+    The header is read (and hashed) first and decides where the bytes go, before it is
+    verified, so it is held to the same rules as when parsed: a destination receives exactly
+    its own number of bytes, never more, whatever the header says. A header that does not
+    parse, or that overlaps its tensors, is read the ordinary way (:func:`read_verified`),
+    which verifies the digest before anything is parsed and says what is wrong.
+    """
+    name, size = listed.name, listed.size
+    path = directory / name
+    digest = new_hasher(listed.algorithm)
+    try:
+        with open(path, "rb", buffering=0, opener=_open_nofollow) as handle:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            head = handle.read(8)
+            length = header_length(head, size)
+            raw = _read_exactly(handle, length)
+            data_size = size - 8 - length
+            entries, metadata = parse_header(raw, data_size)
+            plan = _plan(entries, destinations, data_size)
+            if plan is None:
+                raise TensorFileError("tensors overlap")
+            digest.update(head)
+            digest.update(raw)
+            spill = torch.empty(plan.spill_size, dtype=torch.uint8)
+            spill_view = memoryview(spill.numpy()) if plan.spill_size else memoryview(b"")
+            targets = [
+                target if target is not None else spill_view[spill_at : spill_at + end - start]
+                for start, end, target, spill_at in plan.segments
+            ]
+            got = _read_hashed(handle, targets, digest, size=data_size)
+            longer = got == data_size and handle.read(1) != b""
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(
+            directory, name, "listed in MANIFEST.json but missing"
+        ) from exc
+    except (TensorFileError, EOFError):
+        # Not a header this reader can place bytes by: read it whole, verify, then say why.
+        buffer = read_verified(directory, listed)
+        try:
+            tensors, metadata = parse_safetensors(buffer)
+        except TensorFileError as exc:
+            # Bytes that match the manifest but do not parse: written wrong, never to be used.
+            raise CorruptCheckpointError(directory, name, f"does not load: {exc}") from exc
+        return ParsedInPlace(tensors, metadata, in_place=False)
+    if got != data_size or longer:
+        raise CorruptCheckpointError(
+            directory, name, f"changed while being read (MANIFEST.json says {size} bytes)"
+        )
+    if (actual := digest.hexdigest()) != listed.digest:
+        raise CorruptCheckpointError(directory, name, listed.mismatch(actual))
+    tensors = {}
+    for entry in entries:
+        if entry.name in plan.placed:
+            tensors[entry.name] = plan.placed[entry.name]
+        else:
+            tensors[entry.name] = tensor_view(spill, entry, plan.spill_offset[entry.name])
+    return ParsedInPlace(tensors, metadata, in_place=bool(plan.placed))
+
+
+@dataclass
+class _Plan:
+    """Where each byte of a data section goes, in file order."""
+
+    # (start, end, destination bytes or None for the spill buffer, offset in the spill buffer)
+    segments: list[tuple[int, int, memoryview | None, int]] = field(default_factory=list)
+    spill_size: int = 0
+    spill_offset: dict[str, int] = field(default_factory=dict)  # entry start - spill offset
+    placed: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _plan(
+    entries: list[TensorEntry], destinations: dict[str, torch.Tensor], data_size: int
+) -> _Plan | None:
+    plan = _Plan()
+    used: set[int] = set()
+
+    def spill(start: int, end: int) -> int:
+        at = plan.spill_size + (-plan.spill_size % 8)  # every spilled tensor 8-byte aligned
+        plan.segments.append((start, end, None, at))
+        plan.spill_size = at + end - start
+        return at
+
+    position = 0
+    for entry in entries:
+        if entry.start < position:
+            return None
+        if entry.start > position:
+            spill(position, entry.start)
+        target = destinations.get(entry.name)
+        if (
+            target is not None
+            and target.device.type == "cpu"
+            and target.dtype == entry.dtype
+            and tuple(target.shape) == entry.shape
+            and target.is_contiguous()
+            and entry.end > entry.start
+            and target.data_ptr() not in used  # tied weights: the second copy is spilled
+        ):
+            used.add(target.data_ptr())
+            view = tensor_bytes(target)
+            assert len(view) == entry.end - entry.start  # same dtype and shape
+            plan.segments.append((entry.start, entry.end, view, 0))
+            plan.placed[entry.name] = target.detach()
+        else:
+            plan.spill_offset[entry.name] = entry.start - spill(entry.start, entry.end)
+        position = entry.end
+    if position < data_size:
+        spill(position, data_size)
+    return plan
+
+
+def _read_exactly(handle: Any, count: int) -> bytes:
+    raw = handle.read(count)
+    if len(raw) != count:
+        raise EOFError(f"{count} bytes wanted, {len(raw)} read")
+    return raw
+
+
+def _read_hashed(handle: Any, targets: list[memoryview], digest: Any, *, size: int) -> int:
+    """Fill ``targets`` in order from ``handle``, hashing each slice right behind the read on
+    a second thread when the file is large; returns the bytes read."""
+    pending: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+    hasher = None
+    if size >= _HASH_IN_THREAD_BYTES:
+
+        def hash_slices() -> None:
+            while (piece := pending.get()) is not None:
+                digest.update(piece)
+
+        hasher = threading.Thread(target=hash_slices, name="checkpoint-verify", daemon=True)
+        hasher.start()
+    total = 0
+    try:
+        for target in targets:
+            offset = 0
+            while offset < len(target):
+                count = handle.readinto(target[offset : offset + _READ_SLICE])
+                if not count:
+                    return total + offset
+                piece = target[offset : offset + count]
+                if hasher is not None:
+                    pending.put(piece)
+                else:
+                    digest.update(piece)
+                offset += count
+            total += offset
+    finally:
+        if hasher is not None:
+            pending.put(None)
+            hasher.join()
+    return total
 
 
 def read_verified(directory: Path, listed: ListedFile) -> torch.Tensor:
@@ -379,39 +610,16 @@ def read_verified(directory: Path, listed: ListedFile) -> torch.Tensor:
     buffer = torch.empty(size, dtype=torch.uint8)
     view = memoryview(buffer.numpy()) if size else memoryview(bytearray())
     digest = new_hasher(listed.algorithm)
-    pending: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
-    hasher = None
-    if size >= _HASH_IN_THREAD_BYTES:
-
-        def hash_slices() -> None:
-            while (piece := pending.get()) is not None:
-                digest.update(piece)
-
-        hasher = threading.Thread(target=hash_slices, name="checkpoint-verify", daemon=True)
-        hasher.start()
-    offset = 0
     try:
         with open(path, "rb", buffering=0, opener=_open_nofollow) as handle:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            while offset < size:
-                count = handle.readinto(view[offset : offset + _READ_SLICE])
-                if not count:
-                    break
-                if hasher is not None:
-                    pending.put(view[offset : offset + count])
-                else:
-                    digest.update(view[offset : offset + count])
-                offset += count
+            offset = _read_hashed(handle, [view], digest, size=size)
             longer = offset == size and handle.read(1) != b""
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(
             directory, name, "listed in MANIFEST.json but missing"
         ) from exc
-    finally:
-        if hasher is not None:
-            pending.put(None)
-            hasher.join()
     if offset != size or longer:
         raise CorruptCheckpointError(
             directory, name, f"changed while being read (MANIFEST.json says {size} bytes)"

@@ -26,6 +26,8 @@ from pipeline.checkpoint import (
     CheckpointInfo,
     CheckpointManager,
     CheckpointMismatchError,
+    RestoreDivergedError,
+    RNGState,
     TrainingState,
     layout,
 )
@@ -315,10 +317,20 @@ class Trainer:
         self.data = data = load_training_data(cfg.snapshot_dir, ledger=self.attempt.ledger).to(
             device
         )
+        seeded = RNGState().state_dict()
         state = self._build(data, device)
         manager = self._make_manager()
         self._manager = manager
-        resumed = manager.resume(state)
+        try:
+            resumed = manager.resume(state)
+        except RestoreDivergedError as exc:
+            # Every checkpoint failed (each is marked corrupt), the last after it was read
+            # into the live tensors: the initial state again, built from the same generators
+            # as the first time, as if there had been no checkpoint.
+            self.reporter.event("restore_diverged", {"error": str(exc)[:600]}, level="warning")
+            RNGState().load_state_dict(seeded)
+            state = self._build(data, device)
+            resumed = None
         self.step, self.last_checkpoint = state.step, resumed
         if resumed is not None and state.step >= cfg.max_steps:
             return Outcome(
