@@ -2,8 +2,9 @@
 
 Loading uses safetensors and json only; verification runs first, so a reader never
 deserializes a byte that COMMITTED and MANIFEST.json do not vouch for. ``load_checkpoint``
-reads each file once, into the memory it then parses, hashing it on a second thread as it
-arrives: verification costs no second read, and the bytes parsed are the bytes hashed.
+reads each file once, into the memory it then parses (or, given ``into``, straight into the
+live tensors it restores), hashing it on a second thread as it arrives: verification costs no
+second read, and the bytes used are the bytes hashed.
 """
 
 from __future__ import annotations
