@@ -28,11 +28,9 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Two workers (the machine has two cores), slow tests first (tests/conftest.py); the tests that
-# restart the shared PostgreSQL server run alone afterwards.
+# Two workers (the machine has two cores), slow tests first (tests/conftest.py).
 test: lint browser
-	$(BIN)/pytest -n 2 --dist worksteal -m "not serial" --durations=25
-	$(BIN)/pytest -m serial --durations=10
+	$(BIN)/pytest -n 2 --dist worksteal --durations=25
 
 # The browser test drives Debian's chromium (Playwright's own download is not reachable here).
 browser:
