@@ -89,7 +89,6 @@ MODEL_FILE = "model.safetensors"
 _ZYGOTE = r"""
 import json, os, sys, traceback
 import pipeline.trainer.train  # torch and numpy, imported once for every fork
-import torch._inductor.config  # what torch.use_deterministic_algorithms imports (~1.4 s)
 import pipeline.data.dataset, pipeline.data.snapshot  # pandas and pyarrow
 from pipeline.trainer.__main__ import main
 

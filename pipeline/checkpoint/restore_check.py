@@ -23,6 +23,7 @@ from pipeline.checkpoint.layout import TRAINER_STATE_FILE
 from pipeline.checkpoint.manager import CheckpointConfig, CheckpointManager
 from pipeline.checkpoint.state import TrainingState, probe_logits
 from pipeline.checkpoint.verify import CheckpointContents, load_checkpoint
+from pipeline.determinism import use_deterministic_kernels
 
 EXIT_OK = 0
 EXIT_DOES_NOT_RESTORE = 1
@@ -72,7 +73,7 @@ def restore_check(directory: str | Path, *, device: str = "cpu") -> RestoreVerdi
     # must match bit for bit; deterministic kernels matter only on a GPU (and cost a second).
     torch.set_num_threads(1)
     if device == "cuda":
-        torch.use_deterministic_algorithms(True)
+        use_deterministic_kernels()
     contents = load_checkpoint(directory)
     state = rebuild_training_state(contents, device=torch.device(device))
     manager = CheckpointManager(

@@ -31,6 +31,7 @@ from pipeline.checkpoint import (
     TrainingState,
     layout,
 )
+from pipeline.determinism import use_deterministic_kernels
 from pipeline.distributed import CollectiveError, Groups, PeerRankError, World
 from pipeline.distributed.launch import launched_here
 from pipeline.states import TerminationReason
@@ -796,7 +797,7 @@ def _make_deterministic(cfg: TrainConfig) -> torch.device:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_kernels()
     # One thread: float reductions then add in one order, in every process.
     torch.set_num_threads(1)
     return torch.device(cfg.device)
