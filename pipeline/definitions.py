@@ -72,7 +72,7 @@ def build_definitions(settings: TracksSettings | None = None) -> dg.Definitions:
         # a process per step, re-imported the code location and its libraries (Dagster,
         # torch, MLflow, Great Expectations) for each of a run's eight steps: measured on
         # 2 vCPUs, a whole-graph run from `dagster dev` took 83 s and 98 CPU-seconds that way
-        # and 50 s and 57 CPU-seconds in one process (README, "Running it").
+        # and 50 s and 57 CPU-seconds in one process (README, "The lineage graph").
         executor=dg.in_process_executor,
         assets=ALL_ASSETS,
         asset_checks=ALL_ASSET_CHECKS,
