@@ -153,3 +153,33 @@ def test_zero_budget_means_no_resume_and_the_attempt_says_why(
     assert only.retry_decision["action"] == "stop"
     assert "budget" in only.retry_decision["reason"]
     assert ledger.get_run(run_id).status == "failed"
+
+
+TERMINATE_RUN = """
+mutation($id: String!) { terminateRun(runId: $id) { __typename } }
+"""
+
+
+def test_a_terminated_dagster_run_checkpoints_stops_and_is_not_resumed(
+    live: tuple[DagsterDev, Path, str],
+) -> None:
+    """Terminate in the UI: the step asks the trainer to checkpoint and stop, the receipt says a
+    person cancelled, and the resume sensor leaves the run alone."""
+    server, home, snapshot = live
+    run_id = _start_and_wait_for_commit(server, home, snapshot, {"seed": 13})
+    ledger = _ledger(home)
+    [attempt] = ledger.attempts(run_id)
+    terminated = server.graphql(TERMINATE_RUN, {"id": attempt.dagster_run_id})["terminateRun"]
+    assert terminated["__typename"] == "TerminateRunSuccess", terminated
+    assert server.wait_for_run(attempt.dagster_run_id, timeout=120) == "CANCELED"
+    wait_for(lambda: not trainer_pids(run_id), 60, "the trainer to exit")
+    ended = wait_for(lambda: ledger.attempts(run_id)[0].ended_at, 60, "the attempt to be closed")
+    assert ended is not None
+    time.sleep(10)  # two resume-sensor ticks: a cancelled run is not resumed
+    [only] = ledger.attempts(run_id)
+    assert only.termination_reason == "cancelled", only.termination_detail
+    assert "A person cancelled the run" in only.termination_detail
+    assert only.retry_decision["action"] == "stop"
+    # Asked to stop, the trainer finished its step and committed right there.
+    latest = ledger.latest_committed_checkpoint(run_id)
+    assert latest is not None and latest.step == only.last_step > 200
