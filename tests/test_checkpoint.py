@@ -697,3 +697,24 @@ def test_a_header_that_places_bytes_outside_its_tensor_is_read_the_ordinary_way(
     assert _manager(tmp_path, attempt=2).resume(resumed) is None
     assert all(torch.equal(v, resumed.model.state_dict()[k]) for k, v in before.items())
     assert path not in _manager(tmp_path, attempt=3).committed_dirs()
+
+
+def test_checkpoint_errors_survive_pickling_as_dcp_gathers_them() -> None:
+    """DCP sends a rank's exception to every rank by pickle; ours must come back whole."""
+    import pickle
+
+    from pipeline.checkpoint.errors import (
+        CheckpointMismatchError,
+        RestoreDivergedError,
+        UnsafeCheckpointError,
+    )
+
+    for error in (
+        CorruptCheckpointError(Path("/ckpt/step-1"), "__0_0.distcp", "blake3 is a, says b"),
+        UnsafeCheckpointError("/ckpt/step-1", "x.pt", "is a pickle"),
+        CheckpointMismatchError("/ckpt/step-1", "config_sha256", "a", "b"),
+        RestoreDivergedError("/ckpt/step-1", "probe differs"),
+    ):
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and str(back) == str(error)
+        assert back.directory == error.directory

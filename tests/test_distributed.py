@@ -300,6 +300,35 @@ def test_dcp_metadata_is_read_only_through_the_allow_list(
     assert not marker.exists()
 
 
+@pytest.mark.slow  # shares the two-rank reference run with the drill
+def test_a_shard_changed_after_verification_is_caught_where_dcp_reads_it(
+    workdir: Path, reference: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No window between the digest check and DCP's read: a shard that changes right after
+    every file verified is caught on the bytes DCP would parse, not loaded."""
+    import shutil
+
+    from pipeline.checkpoint import sharded
+
+    source = checkpoint_dirs(workdir / "reference" / "ref")[0]
+    directory = workdir / "toctou" / "ref" / source.name
+    shutil.copytree(source, directory)
+    clean = load_checkpoint(directory)
+    [shard, *_] = sorted(directory.glob("*.distcp"))
+    verify = sharded.verify_files
+
+    def verify_then_change(*args: Any, **kwargs: Any) -> None:
+        verify(*args, **kwargs)
+        data = bytearray(shard.read_bytes())
+        data[-200] ^= 0xFF  # inside the last tensor's bytes, the size unchanged
+        shard.write_bytes(bytes(data))
+
+    monkeypatch.setattr(sharded, "verify_files", verify_then_change)
+    with pytest.raises(CorruptCheckpointError, match=shard.name):
+        load_checkpoint(directory)
+    assert clean.info.step > 0
+
+
 def test_launcher_names_the_first_failed_rank_not_the_collateral() -> None:
     killed = RankOutcome(1, 128 + 9, None, "rank 1 was killed by SIGKILL", None, 10.0)
     collateral = RankOutcome(0, exit_codes.INFRA_TRANSIENT, "infra_transient", "peer gone", 3, 9.0)

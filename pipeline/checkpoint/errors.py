@@ -6,7 +6,17 @@ from pathlib import Path
 
 
 class CheckpointError(Exception):
-    """Base class for checkpoint errors."""
+    """Base class for checkpoint errors.
+
+    Each subclass keeps its constructor's arguments in ``_args`` so that it survives pickling:
+    torch.distributed.checkpoint gathers a rank's exception to every rank by pickle, and the
+    default reduction would call the constructor with the message alone.
+    """
+
+    _args: tuple[object, ...] = ()
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return type(self), self._args
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -14,6 +24,7 @@ class CorruptCheckpointError(CheckpointError):
 
     def __init__(self, directory: str | Path, file: str, detail: str) -> None:
         super().__init__(f"checkpoint {directory} is corrupt: {file}: {detail}")
+        self._args = (directory, file, detail)
         self.directory = str(directory)
         self.file = file
         self.detail = detail
@@ -27,6 +38,7 @@ class UnsafeCheckpointError(CheckpointError):
             f"checkpoint {directory} is refused: {file} {detail}; "
             "checkpoints hold safetensors and JSON only, never pickle"
         )
+        self._args = (directory, file, detail)
         self.directory = str(directory)
         self.file = file
         self.detail = detail
@@ -40,6 +52,7 @@ class CheckpointMismatchError(CheckpointError):
             f"checkpoint {directory} was saved with {field}={saved!r} but this attempt has "
             f"{field}={current!r}: a run has one config and one snapshot, refusing to resume"
         )
+        self._args = (directory, field, saved, current)
         self.directory = str(directory)
         self.field = field
         self.saved = saved
@@ -61,4 +74,5 @@ class RestoreDivergedError(CheckpointError):
             f"checkpoint {directory} failed after it was read into the live state ({detail}),"
             " and no older checkpoint restored: the live state is unusable until rebuilt"
         )
+        self._args = (directory, detail)
         self.directory = str(directory)

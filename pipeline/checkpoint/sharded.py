@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -157,12 +160,31 @@ def read_dcp_metadata(directory: Path, listed: dict[str, ListedFile]) -> Any:
     return metadata
 
 
-def _verified_reader(directory: Path, metadata: Any) -> Any:
+def _verified_reader(directory: Path, metadata: Any, listed: dict[str, ListedFile]) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class VerifiedFiles(FileSystem):
+        """DCP's file access, except that a shard is read once, whole, and hashed: DCP parses
+        exactly the bytes whose digest matched MANIFEST.json. Reading the file again after an
+        earlier verification pass would leave a window in which it could change unseen."""
+
+        @contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+            if mode != "rb":
+                raise CorruptCheckpointError(directory, str(path), f"opened with mode {mode!r}")
+            name = Path(path).name
+            if name not in listed or Path(path).parent != directory:
+                raise CorruptCheckpointError(directory, name, "is not listed in MANIFEST.json")
+            yield io.BytesIO(read_verified(directory, listed[name]).numpy().tobytes())
 
     class VerifiedReader(FileSystemReader):
         """DCP's file reader, handed the metadata already read through the allow-list."""
+
+        def __init__(self) -> None:
+            super().__init__(directory)
+            self.fs = VerifiedFiles()
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if getattr(metadata, "storage_meta", None) is None:
@@ -170,7 +192,7 @@ def _verified_reader(directory: Path, metadata: Any) -> Any:
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-    return VerifiedReader(directory)
+    return VerifiedReader()
 
 
 def load_sharded(
@@ -183,9 +205,12 @@ def load_sharded(
     """Read a sharded checkpoint whose layout verified, on any number of ranks (resharding).
 
     ``verified``: the DCP shards and rank files were already hashed (by the ranks, each its
-    share); otherwise they are hashed here before DCP reads them.
+    share); otherwise they are hashed here first, so a bad candidate is refused whole. Either
+    way DCP parses only bytes hashed as it reads them (``VerifiedFiles``): a shard changed after
+    that first pass is caught too.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     directory = info.path
     if not verified:
@@ -205,10 +230,17 @@ def load_sharded(
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             dcp.load(
                 tensors,
-                storage_reader=_verified_reader(directory, metadata),
+                storage_reader=_verified_reader(directory, metadata, listed),
                 process_group=groups.checkpoint if groups else None,
                 no_dist=groups is None,
             )
+    except CheckpointException as exc:
+        # DCP gathers every rank's failure into this BaseException (not an Exception). A digest
+        # mismatch found where DCP read a shard is reported as itself, naming the shard.
+        for failure, _ in exc.failures.values():
+            if isinstance(failure, CheckpointError):
+                raise failure from exc
+        raise CorruptCheckpointError(directory, "__*.distcp", f"does not load: {exc}") from exc
     except Exception as exc:
         raise CorruptCheckpointError(directory, "__*.distcp", f"does not load: {exc}") from exc
     name = TRAINER_STATE_FILE
