@@ -28,8 +28,7 @@ def tracks_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _admin_engine() -> sa.Engine:
-    # pre-ping: the restart drill restarts the server under this engine's pooled connections.
-    return sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+    return sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
 
 
 def _drop(admin: sa.Engine, name: str) -> None:

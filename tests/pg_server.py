@@ -104,7 +104,3 @@ class PrivatePostgres:
         with contextlib.suppress(RuntimeError):
             self._run("pg_ctl", "stop", "-D", str(self.data), "-m", "immediate", timeout=60)
         shutil.rmtree(self.root, ignore_errors=True)
-
-    def log_tail(self, chars: int = 3000) -> str:
-        path = self.root / "server.log"
-        return path.read_text(errors="replace")[-chars:] if path.exists() else ""

@@ -234,14 +234,14 @@ def load_sharded(
                 process_group=groups.checkpoint if groups else None,
                 no_dist=groups is None,
             )
-    except CheckpointException as exc:
-        # DCP gathers every rank's failure into this BaseException (not an Exception). A digest
-        # mismatch found where DCP read a shard is reported as itself, naming the shard.
-        for failure, _ in exc.failures.values():
+    except (Exception, CheckpointException) as exc:
+        # DCP gathers every rank's failure into CheckpointException, a BaseException (not an
+        # Exception). A digest mismatch found where DCP read a shard is reported as itself,
+        # naming the shard.
+        failures = exc.failures.values() if isinstance(exc, CheckpointException) else ()
+        for failure, _ in failures:
             if isinstance(failure, CheckpointError):
                 raise failure from exc
-        raise CorruptCheckpointError(directory, "__*.distcp", f"does not load: {exc}") from exc
-    except Exception as exc:
         raise CorruptCheckpointError(directory, "__*.distcp", f"does not load: {exc}") from exc
     name = TRAINER_STATE_FILE
     try:
