@@ -572,7 +572,7 @@ def test_large_files_are_written_byte_for_byte_and_the_fault_hook_sees_half(
     runs with the first half (whole blocks) on disk, as on the buffered path. The digest fed
     while writing is the digest of the file."""
     if not direct:
-        monkeypatch.setattr(checkpoint_writer, "_direct", lambda fd: False)
+        monkeypatch.setattr(checkpoint_writer, "use_direct_io", lambda fd: False)
     calls: list[int] = []
     real = checkpoint_writer.write_chunks_direct
     monkeypatch.setattr(

@@ -3,23 +3,24 @@
 Loading uses safetensors and json only; verification runs first, so a reader never
 deserializes a byte that COMMITTED and MANIFEST.json do not vouch for. ``load_checkpoint``
 reads each file once, into the memory it then parses (or, given ``into``, straight into the
-live tensors it restores), hashing it on a second thread as it arrives: verification costs no
-second read, and the bytes used are the bytes hashed.
+live tensors it restores), hashing each block as it arrives while the next is read
+(direct_io.py): verification costs no second read, and the bytes used are the bytes hashed.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import queue
-import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.checkpoint.direct_io import DIRECT_MIN_BYTES, BlockReader
 from pipeline.checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from pipeline.checkpoint.layout import (
     COMMITTED_FILE,
@@ -41,7 +42,6 @@ from pipeline.checkpoint.tensorfile import (
     header_length,
     parse_header,
     parse_safetensors,
-    tensor_bytes,
     tensor_view,
 )
 from pipeline.digests import DigestAlgorithm, file_digest, new_hasher, recorded_digest, sha256_bytes
@@ -49,8 +49,6 @@ from pipeline.digests import DigestAlgorithm, file_digest, new_hasher, recorded_
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
 _PICKLE_PROTOCOLS = (2, 3, 4, 5)
 _ZIP_MAGIC = b"PK\x03\x04"
-_READ_SLICE = 32 * 1024 * 1024
-_HASH_IN_THREAD_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -338,7 +336,8 @@ def load_checkpoint(
 ) -> CheckpointContents:
     """Verify, then read every file (safetensors and JSON, never pickle).
 
-    Each data file is read once into memory and hashed as it arrives, two files at a time;
+    Each data file is read once into memory and hashed as it arrives, two files at a time,
+    large ones bypassing the page cache (direct_io.py says why);
     only bytes whose digest matches MANIFEST.json are parsed, so a file changed at any moment
     is caught. The tensors returned are views into those buffers (no copy).
 
@@ -454,35 +453,52 @@ def read_verified_into(
     which verifies the digest before anything is parsed and says what is wrong.
     """
     name, size = listed.name, listed.size
-    path = directory / name
     digest = new_hasher(listed.algorithm)
+    head = bytearray()
+    data_at = -1  # where the data section starts, once the header's length is known
+    entries: list[TensorEntry] = []
+    metadata: dict[str, str] = {}
+    plan: _Plan | None = None
+    segments: list[tuple[int, int, torch.Tensor]] = []
+    spill = torch.empty(0, dtype=torch.uint8)
+    got = segment = 0
     try:
-        with open(path, "rb", buffering=0, opener=_open_nofollow) as handle:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            head = handle.read(8)
-            length = header_length(head, size)
-            raw = _read_exactly(handle, length)
-            data_size = size - 8 - length
-            entries, metadata = parse_header(raw, data_size)
-            plan = _plan(entries, destinations, data_size)
-            if plan is None:
-                raise TensorFileError("tensors overlap")
-            digest.update(head)
-            digest.update(raw)
-            spill = torch.empty(plan.spill_size, dtype=torch.uint8)
-            spill_view = memoryview(spill.numpy()) if plan.spill_size else memoryview(b"")
-            targets = [
-                target if target is not None else spill_view[spill_at : spill_at + end - start]
-                for start, end, target, spill_at in plan.segments
-            ]
-            got = _read_hashed(handle, targets, digest, size=data_size)
-            longer = got == data_size and handle.read(1) != b""
+        with _blocks(directory / name, size) as blocks:
+            for offset, view in blocks:
+                got = offset + len(view)
+                if got > size:
+                    break
+                digest.update(view)
+                used = 0
+                if plan is None:
+                    # The header, from the first block(s): its length, then the JSON.
+                    wanted = 8 if data_at < 0 else data_at
+                    used = min(wanted - len(head), len(view))
+                    head += view[:used]
+                    if data_at < 0 and len(head) == 8:
+                        data_at = 8 + header_length(bytes(head), size)
+                        more = min(data_at - len(head), len(view) - used)
+                        head += view[used : used + more]
+                        used += more
+                    if len(head) != data_at:
+                        continue
+                    entries, metadata = parse_header(bytes(head[8:]), size - data_at)
+                    plan = _plan(entries, destinations, size - data_at)
+                    if plan is None:
+                        raise TensorFileError("tensors overlap")
+                    spill = torch.empty(plan.spill_size, dtype=torch.uint8)
+                    segments = [
+                        (start, end, target if target is not None else spill[at : at + end - start])
+                        for start, end, target, at in plan.segments
+                    ]
+                if used < len(view):
+                    source = torch.frombuffer(view, dtype=torch.uint8)[used:]
+                    segment = _scatter(segments, segment, offset + used - data_at, source)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(
             directory, name, "listed in MANIFEST.json but missing"
         ) from exc
-    except (TensorFileError, EOFError):
+    except TensorFileError:
         # Not a header this reader can place bytes by: read it whole, verify, then say why.
         buffer = read_verified(directory, listed)
         try:
@@ -491,7 +507,7 @@ def read_verified_into(
             # Bytes that match the manifest but do not parse: written wrong, never to be used.
             raise CorruptCheckpointError(directory, name, f"does not load: {exc}") from exc
         return ParsedInPlace(tensors, metadata, in_place=False)
-    if got != data_size or longer:
+    if got != size or plan is None:
         raise CorruptCheckpointError(
             directory, name, f"changed while being read (MANIFEST.json says {size} bytes)"
         )
@@ -506,12 +522,30 @@ def read_verified_into(
     return ParsedInPlace(tensors, metadata, in_place=bool(plan.placed))
 
 
+def _scatter(
+    segments: list[tuple[int, int, torch.Tensor]], segment: int, at: int, source: torch.Tensor
+) -> int:
+    """Copy ``source``, the data section's bytes from ``at`` on, into the segments that hold
+    them (in file order, from index ``segment``); returns the segment the next byte goes to.
+    torch's copy releases the GIL: the other file's reader and hasher keep running."""
+    done = 0
+    while done < len(source):
+        start, end, target = segments[segment]
+        count = min(end - at, len(source) - done)
+        target[at - start : at - start + count].copy_(source[done : done + count])
+        done += count
+        at += count
+        if at == end:
+            segment += 1
+    return segment
+
+
 @dataclass
 class _Plan:
     """Where each byte of a data section goes, in file order."""
 
     # (start, end, destination bytes or None for the spill buffer, offset in the spill buffer)
-    segments: list[tuple[int, int, memoryview | None, int]] = field(default_factory=list)
+    segments: list[tuple[int, int, torch.Tensor | None, int]] = field(default_factory=list)
     spill_size: int = 0
     spill_offset: dict[str, int] = field(default_factory=dict)  # entry start - spill offset
     placed: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -546,9 +580,9 @@ def _plan(
             and target.data_ptr() not in used  # tied weights: the second copy is spilled
         ):
             used.add(target.data_ptr())
-            view = tensor_bytes(target)
-            assert len(view) == entry.end - entry.start  # same dtype and shape
-            plan.segments.append((entry.start, entry.end, view, 0))
+            destination = target.detach().reshape(-1).view(torch.uint8)
+            assert len(destination) == entry.end - entry.start  # same dtype and shape
+            plan.segments.append((entry.start, entry.end, destination, 0))
             plan.placed[entry.name] = target.detach()
         else:
             plan.spill_offset[entry.name] = entry.start - spill(entry.start, entry.end)
@@ -558,73 +592,42 @@ def _plan(
     return plan
 
 
-def _read_exactly(handle: Any, count: int) -> bytes:
-    raw = handle.read(count)
-    if len(raw) != count:
-        raise EOFError(f"{count} bytes wanted, {len(raw)} read")
-    return raw
-
-
-def _read_hashed(handle: Any, targets: list[memoryview], digest: Any, *, size: int) -> int:
-    """Fill ``targets`` in order from ``handle``, hashing each slice right behind the read on
-    a second thread when the file is large; returns the bytes read."""
-    pending: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
-    hasher = None
-    if size >= _HASH_IN_THREAD_BYTES:
-
-        def hash_slices() -> None:
-            while (piece := pending.get()) is not None:
-                digest.update(piece)
-
-        hasher = threading.Thread(target=hash_slices, name="checkpoint-verify", daemon=True)
-        hasher.start()
-    total = 0
-    try:
-        for target in targets:
-            offset = 0
-            while offset < len(target):
-                count = handle.readinto(target[offset : offset + _READ_SLICE])
-                if not count:
-                    return total + offset
-                piece = target[offset : offset + count]
-                if hasher is not None:
-                    pending.put(piece)
-                else:
-                    digest.update(piece)
-                offset += count
-            total += offset
-    finally:
-        if hasher is not None:
-            pending.put(None)
-            hasher.join()
-    return total
-
-
 def read_verified(directory: Path, listed: ListedFile) -> torch.Tensor:
     """The bytes of ``directory/listed.name`` as a uint8 tensor, after checking size and digest.
 
-    One read: large files are hashed on a second thread, slice by slice, right behind the
-    read, so hashing overlaps the disk instead of following it.
+    One read, hashed block by block as it arrives (:class:`BlockReader` reads ahead), so
+    hashing overlaps the disk instead of following it.
     """
     name, size = listed.name, listed.size
-    path = directory / name
     buffer = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(buffer.numpy()) if size else memoryview(bytearray())
     digest = new_hasher(listed.algorithm)
+    got = 0
     try:
-        with open(path, "rb", buffering=0, opener=_open_nofollow) as handle:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            offset = _read_hashed(handle, [view], digest, size=size)
-            longer = offset == size and handle.read(1) != b""
+        with _blocks(directory / name, size) as blocks:
+            for offset, view in blocks:
+                got = offset + len(view)
+                if got > size:
+                    break
+                digest.update(view)
+                buffer[offset:got].copy_(torch.frombuffer(view, dtype=torch.uint8))
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(
             directory, name, "listed in MANIFEST.json but missing"
         ) from exc
-    if offset != size or longer:
+    if got != size:
         raise CorruptCheckpointError(
             directory, name, f"changed while being read (MANIFEST.json says {size} bytes)"
         )
     if (actual := digest.hexdigest()) != listed.digest:
         raise CorruptCheckpointError(directory, name, listed.mismatch(actual))
     return buffer
+
+
+@contextmanager
+def _blocks(path: Path, size: int) -> Iterator[BlockReader]:
+    """``path`` read once, in order, never through a link; large files bypass the page cache."""
+    with open(path, "rb", buffering=0, opener=_open_nofollow) as handle:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        with BlockReader(handle.fileno(), size, direct=size >= DIRECT_MIN_BYTES) as reader:
+            yield reader

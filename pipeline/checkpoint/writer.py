@@ -8,7 +8,6 @@ write. A storage error names the file, keeps its errno, and leaves the directory
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import mmap
 import os
@@ -20,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pipeline.checkpoint.direct_io import DIRECT_ALIGN, DIRECT_MIN_BYTES, use_direct_io
 from pipeline.checkpoint.layout import (
     COMMITTED_FILE,
     FORMAT,
@@ -43,11 +43,8 @@ FAULT_SLEEP_DURING_WRITE = "TRACKS_FAULT_SLEEP_DURING_WRITE"  # "seconds@N": pau
 
 _WRITE_SLICE = 64 * 1024 * 1024  # per write(2): large, but under Linux's 2 GiB limit
 _HASH_IN_THREAD_BYTES = 8 * 1024 * 1024  # below this, a thread costs more than it saves
-# Large files bypass the page cache (O_DIRECT): measured on this VM (bench/checkpoint_bench.py,
-# README), 1 GB written + fsynced took 0.29 s and 0.04 s of CPU direct against 2.8 s and 2.5 s
-# of CPU buffered, CPU that a background save otherwise takes from the training thread.
-_DIRECT_MIN_BYTES = 8 * 1024 * 1024
-_DIRECT_ALIGN = 4096  # covers 512- and 4096-byte logical blocks
+# Large files bypass the page cache (O_DIRECT, direct_io.py says why): page-cache writeback is
+# CPU that a background save otherwise takes from the training thread.
 _DIRECT_BUFFER = 16 * 1024 * 1024  # the aligned bounce buffer the chunks are gathered into
 _bounce = threading.local()
 
@@ -233,7 +230,7 @@ def write_chunks_direct(
         bounce = _bounce.buffer = mmap.mmap(-1, _DIRECT_BUFFER)
     out = memoryview(bounce)
     size = sum(len(c) for c in chunks)
-    half = size // 2 // _DIRECT_ALIGN * _DIRECT_ALIGN if halfway is not None else -1
+    half = size // 2 // DIRECT_ALIGN * DIRECT_ALIGN if halfway is not None else -1
     written = filled = 0
 
     def flush(length: int) -> None:
@@ -262,22 +259,13 @@ def write_chunks_direct(
                     halfway()
                     halfway = None
     if filled:
-        padded = -(-filled // _DIRECT_ALIGN) * _DIRECT_ALIGN
+        padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
         out[filled:padded] = bytes(padded - filled)
         flush(padded)
         os.ftruncate(fd, size)
     if halfway is not None:
         halfway()
     return size
-
-
-def _direct(fd: int) -> bool:
-    """Switch ``fd`` to O_DIRECT; False where the filesystem does not support it."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-    except OSError:
-        return False
-    return True
 
 
 def write_chunks_durably(
@@ -291,7 +279,7 @@ def write_chunks_durably(
     try:
         # Set after the create, not in open(2): an open refused for O_DIRECT could leave the
         # file created, and O_EXCL would then refuse the buffered retry.
-        if sum(len(c) for c in chunks) >= _DIRECT_MIN_BYTES and _direct(fd):
+        if sum(len(c) for c in chunks) >= DIRECT_MIN_BYTES and use_direct_io(fd):
             size = write_chunks_direct(fd, chunks, halfway, digest)
         else:
             size = write_chunks(fd, chunks, halfway, digest)

@@ -1,0 +1,133 @@
+"""Checkpoint bytes that bypass the page cache (O_DIRECT), for writing and for reading.
+
+A checkpoint is written once and read once, by another process: caching its pages helps no
+one. Measured on this VM (bench/checkpoint_bench.py, README "Checkpoints that survive
+kill -9"): through the page cache, 1 GB written + fsynced took 2.8 s and 2.5 s of CPU, and a
+freshly written 1 GB read cold took 1.1-1.45 s with 1.2-2.0 s of system CPU (the kernel
+allocating a gigabyte of cache pages the guest had never touched). With O_DIRECT the write
+took 0.29 s and 0.04 s of CPU, and the read, BLAKE3 and copy into the model included,
+0.38-0.63 s. A filesystem that refuses O_DIRECT (tmpfs, some network mounts) gets the page
+cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from types import TracebackType
+
+DIRECT_ALIGN = 4096  # covers 512- and 4096-byte logical blocks
+DIRECT_MIN_BYTES = 8 * 1024 * 1024  # smaller files are written (and read) through the cache
+READ_BLOCK = 4 * 1024 * 1024  # per read: hashed and copied while it is still in the CPU cache
+_READ_DEPTH = 3  # blocks per file in flight: the disk stays up to two blocks ahead
+_SPARE_BLOCKS = 4 * _READ_DEPTH  # aligned buffers kept for the next reader, across calls
+_spare: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+
+
+def use_direct_io(fd: int, on: bool = True) -> bool:
+    """Switch O_DIRECT on (or off) for ``fd``; False where the filesystem refuses it."""
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
+class BlockReader:
+    """A file read once, in order, from offset 0 to its end, on a thread of its own.
+
+    Iterating yields ``(offset, bytes)`` pairs that cover the file in order; each memoryview
+    is valid until the next one is asked for (its buffer is then read into again). The thread
+    reads ahead into a few reused, page-aligned buffers, with O_DIRECT when ``direct`` and the
+    filesystem allows it, so the disk works while the caller hashes and copies. It stops once
+    it has read past ``limit`` bytes (the size the caller expects), so a file that grew is
+    seen as longer without being read whole. Leaving the ``with`` block stops the thread.
+    """
+
+    def __init__(self, fd: int, limit: int, *, direct: bool) -> None:
+        self._fd = fd
+        self._limit = limit
+        self._direct = direct and use_direct_io(fd)
+        self._buffers = [_take_buffer() for _ in range(_READ_DEPTH)]
+        self._views = [memoryview(buffer) for buffer in self._buffers]
+        self._free: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._filled: queue.SimpleQueue[tuple[int, int, int] | BaseException | None] = (
+            queue.SimpleQueue()
+        )
+        for index in range(_READ_DEPTH):
+            self._free.put(index)
+        self._thread = threading.Thread(target=self._run, name="checkpoint-read", daemon=True)
+
+    def __enter__(self) -> BlockReader:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._free.put(None)  # wakes a thread waiting for a buffer; it stops there
+        self._thread.join()
+        for buffer in self._buffers:
+            if _spare.qsize() < _SPARE_BLOCKS:
+                _spare.put(buffer)
+
+    def __iter__(self) -> Iterator[tuple[int, memoryview]]:
+        while (item := self._filled.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            index, offset, count = item
+            try:
+                yield offset, self._views[index][:count]
+            finally:
+                self._free.put(index)
+
+    def _run(self) -> None:
+        offset = 0
+        try:
+            while offset <= self._limit:
+                index = self._free.get()
+                if index is None:
+                    return
+                count = self._read(self._views[index], offset)
+                if count == 0:
+                    break
+                self._filled.put((index, offset, count))
+                offset += count
+                if self._direct and count % DIRECT_ALIGN:
+                    # A read that ends off the block grid: the end of the file, or a file
+                    # that grows. The next read's offset is unaligned, which O_DIRECT refuses.
+                    self._direct = not use_direct_io(self._fd, on=False)
+        except BaseException as exc:  # the caller raises it, from its own thread
+            self._filled.put(exc)
+            return
+        self._filled.put(None)
+
+    def _read(self, view: memoryview, offset: int) -> int:
+        try:
+            return os.preadv(self._fd, [view], offset)
+        except OSError as exc:
+            # Some filesystems accept the flag and refuse the read: read through the cache.
+            if not (self._direct and exc.errno == errno.EINVAL):
+                raise
+            self._direct = not use_direct_io(self._fd, on=False)
+            return os.preadv(self._fd, [view], offset)
+
+
+def _take_buffer() -> mmap.mmap:
+    while True:
+        try:
+            buffer = _spare.get_nowait()
+        except queue.Empty:
+            # An anonymous mapping is page-aligned, as O_DIRECT wants its buffers to be.
+            return mmap.mmap(-1, READ_BLOCK)
+        if len(buffer) == READ_BLOCK:
+            return buffer

@@ -1,0 +1,145 @@
+"""Reading checkpoint files once, in order, around the page cache (``direct_io.BlockReader``).
+
+Small blocks and a small O_DIRECT threshold make a few hundred kilobytes cross every edge a
+gigabyte crosses: a header spread over several blocks, tensors split between blocks, a last
+block that ends off the 4096-byte grid.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+from pathlib import Path
+
+import blake3
+import pytest
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+from pipeline.checkpoint import CorruptCheckpointError, direct_io, verify
+from pipeline.checkpoint.verify import ListedFile, read_verified, read_verified_into
+from pipeline.digests import DigestAlgorithm
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """8 KiB blocks, O_DIRECT from 64 KiB; returns, per read, whether it bypassed the cache."""
+    monkeypatch.setattr(direct_io, "READ_BLOCK", 8192)
+    monkeypatch.setattr(verify, "DIRECT_MIN_BYTES", 64 * 1024)
+    direct: list[bool] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        direct.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(direct_io.os, "preadv", preadv)
+    return direct
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        # Long names: a header of about 40 KB, five blocks before the first data byte.
+        f"layer.{i:03d}.{'weight' * 30}": torch.randn(7 + i, generator=generator)
+        for i in range(150)
+    }
+    tensors["big"] = torch.randn(300_001, generator=generator)  # ends off the block grid
+    tensors["half"] = torch.randn(1023, generator=generator).to(torch.float16)
+    return tensors
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor]) -> ListedFile:
+    raw = safetensors_bytes(tensors)
+    path.write_bytes(raw)
+    assert len(raw) % 4096 != 0
+    return ListedFile(path.name, len(raw), DigestAlgorithm.BLAKE3, blake3.blake3(raw).hexdigest())
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "page_cache"])
+def test_tensors_land_in_place_byte_for_byte_across_block_edges(
+    tmp_path: Path, small_blocks: list[bool], monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    if not direct:
+        monkeypatch.setattr(direct_io, "use_direct_io", lambda fd, on=True: False)
+    tensors = _tensors()
+    listed = _write(tmp_path / "model.safetensors", tensors)
+    # Destinations for all but two tensors: those are spilled into a fresh buffer.
+    into = {n: torch.zeros_like(t) for n, t in tensors.items() if n not in ("half", "layer.007")}
+    into = {n: t for n, t in into.items() if not n.startswith("layer.007.")}
+    pointers = {n: t.data_ptr() for n, t in into.items()}
+    read = read_verified_into(tmp_path, listed, into)
+    assert read.in_place
+    assert read.tensors.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(read.tensors[name], tensor), name
+        if name in into:
+            assert read.tensors[name].data_ptr() == pointers[name]
+            assert torch.equal(into[name], tensor)
+    assert len(small_blocks) > 100
+    # O_DIRECT until the last block, which ends off the grid: then through the cache.
+    assert any(small_blocks) is direct
+    if direct:
+        assert small_blocks[:-2] == [True] * (len(small_blocks) - 2)
+        assert small_blocks[-1] is False
+    whole = read_verified(tmp_path, listed)
+    assert whole.numpy().tobytes() == (tmp_path / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("change", ["longer", "shorter"])
+def test_a_file_whose_size_changed_is_refused_and_no_reader_is_left_behind(
+    tmp_path: Path, small_blocks: list[bool], change: str
+) -> None:
+    path = tmp_path / "model.safetensors"
+    listed = _write(path, _tensors())
+    raw = path.read_bytes()
+    path.write_bytes(raw + b"\0" * 100_000 if change == "longer" else raw[:-5000])
+    before = threading.active_count()
+    for read in (
+        lambda: read_verified(tmp_path, listed),
+        lambda: read_verified_into(tmp_path, listed, {"big": torch.zeros(300_001)}),
+    ):
+        with pytest.raises(CorruptCheckpointError, match="changed while being read"):
+            read()
+    assert threading.active_count() == before
+    if change == "longer":
+        # Read one block past the listed size, not the 100 KB appended.
+        assert len(small_blocks) <= 2 * (-(-len(raw) // 8192) + 1)
+
+
+def test_a_filesystem_that_takes_the_flag_but_refuses_the_read_is_read_through_the_cache(
+    tmp_path: Path, small_blocks: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listed = _write(tmp_path / "model.safetensors", _tensors())
+    counting = direct_io.os.preadv
+
+    def refuse_direct(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return counting(fd, buffers, offset)
+
+    monkeypatch.setattr(direct_io.os, "preadv", refuse_direct)
+    whole = read_verified(tmp_path, listed)
+    assert whole.numpy().tobytes() == (tmp_path / "model.safetensors").read_bytes()
+    assert small_blocks and not any(small_blocks)
+
+
+def test_a_read_error_reaches_the_caller_with_its_errno(
+    tmp_path: Path, small_blocks: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listed = _write(tmp_path / "model.safetensors", _tensors())
+    counting = direct_io.os.preadv
+
+    def failing(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if offset >= 5 * 8192:
+            raise OSError(errno.EIO, "Input/output error")
+        return counting(fd, buffers, offset)
+
+    monkeypatch.setattr(direct_io.os, "preadv", failing)
+    before = threading.active_count()
+    with pytest.raises(OSError) as caught:
+        read_verified_into(tmp_path, listed, {"big": torch.zeros(300_001)})
+    assert caught.value.errno == errno.EIO
+    assert threading.active_count() == before
