@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,9 +36,11 @@ from pipeline.checkpoint import (
     verify_checkpoint,
 )
 from pipeline.checkpoint import manager as manager_module
+from pipeline.checkpoint import verify as checkpoint_verify
 from pipeline.checkpoint import writer as checkpoint_writer
 from pipeline.checkpoint.codec import StateEncodingError, decode_state, encode_state
 from pipeline.checkpoint.state import live_tensors
+from pipeline.checkpoint.verify import ListedFile
 from pipeline.digests import sha256_bytes
 from pipeline.ledger import AttemptStart, EvaluationRecord, Ledger, StaleFencingTokenError
 from pipeline.states import CheckpointState
@@ -627,6 +631,45 @@ def test_resume_reads_into_the_live_tensors_and_training_continues_bit_exact(
     assert {k: v.data_ptr() for k, v in resumed.model.state_dict().items()} == params
     after = live_tensors(resumed)[OPTIMIZER_FILE]
     assert {k: after[k].data_ptr() for k in moments} == moments
+    assert _steps(resumed, data, 4) == expected
+
+
+def test_resume_runs_the_probe_pass_once_while_the_optimizer_state_is_still_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe batch needs only the model: once model.safetensors is read into the live
+    model and verified, its pass runs while the optimizer's file is still being read."""
+    data = _data()
+    original = _state(data)
+    _steps(original, data, 9)
+    _manager(tmp_path).save(original)
+    expected = _steps(original, data, 4)
+    optimizer_read = threading.Event()
+    real_read = checkpoint_verify.read_verified_into
+
+    def slow_optimizer(directory: Path, listed: ListedFile, into: dict) -> object:
+        if listed.name == OPTIMIZER_FILE:
+            time.sleep(0.5)  # a large optimizer state on a slow disk
+            try:
+                return real_read(directory, listed, into)
+            finally:
+                optimizer_read.set()
+        return real_read(directory, listed, into)
+
+    passes: list[bool] = []
+    real_logits = manager_module.probe_logits
+
+    def probe_logits(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        passes.append(optimizer_read.is_set())
+        return real_logits(model, inputs)
+
+    monkeypatch.setattr(checkpoint_verify, "read_verified_into", slow_optimizer)
+    monkeypatch.setattr(manager_module, "probe_logits", probe_logits)
+    resumed = _state(data, seed=99)
+    _steps(resumed, data, 3)
+    info = _manager(tmp_path, attempt=2).resume(resumed)
+    assert info is not None and info.step == 9
+    assert passes == [False]  # one pass, before the optimizer's state had landed
     assert _steps(resumed, data, 4) == expected
 
 

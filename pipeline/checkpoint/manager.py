@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -518,7 +519,9 @@ class CheckpointManager:
                 self._check_belongs(directory, saved, state)
                 into = live_tensors(state)
                 touched = any(into.values())  # bytes may land before the digest is known
-                contents = load_checkpoint(directory, into=into)
+                early: list[torch.Tensor] = []
+                probe_early = functools.partial(_probe_early, state, into=early)
+                contents = load_checkpoint(directory, into=into, on_model=probe_early)
                 touched = contents.read_in_place
                 self._check_belongs(directory, contents.trainer_state, state)
                 if (
@@ -531,7 +534,7 @@ class CheckpointManager:
                 ):
                     fresh = stage_checkpoint(state, run_id=self.run_id, attempt_no=0)
                 touched = True
-                self.restore(state, contents)
+                self.restore(state, contents, logits=early[0] if early else None)
             except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
                 self.mark_corrupt(directory, exc)
                 if touched:
@@ -547,8 +550,18 @@ class CheckpointManager:
             raise RestoreDivergedError(changed[0], str(changed[1])) from changed[1]
         return None
 
-    def restore(self, state: TrainingState, contents: CheckpointContents) -> None:
-        """Load ``contents`` into ``state`` and re-run the probe batch (post-restore validation)."""
+    def restore(
+        self,
+        state: TrainingState,
+        contents: CheckpointContents,
+        *,
+        logits: torch.Tensor | None = None,
+    ) -> None:
+        """Load ``contents`` into ``state`` and re-run the probe batch (post-restore validation).
+
+        ``logits``: the probe batch's outputs, already computed from the model as it
+        holds ``contents.model`` (read in place; restoring the rest does not change it).
+        """
         try:
             restore_training_state(
                 state,
@@ -566,7 +579,7 @@ class CheckpointManager:
                 "trainer_state.json",
                 f"step {state.step} but COMMITTED says {contents.info.step}",
             )
-        validate_probe(state, contents)
+        validate_probe(state, contents, actual=logits)
 
     def _check_belongs(self, directory: Path, saved: dict[str, Any], state: TrainingState) -> None:
         if saved.get("run_id") != self.run_id:
@@ -749,10 +762,25 @@ def probe_matches_outside_model(state: TrainingState, contents: CheckpointConten
     return logits.shape == expected.shape and torch.equal(logits, expected)
 
 
-def validate_probe(state: TrainingState, contents: CheckpointContents) -> None:
-    """Recompute the probe logits and compare: exactly on the same CPU kernels, else allclose."""
+def _probe_early(
+    state: TrainingState, probe: dict[str, torch.Tensor], into: list[torch.Tensor]
+) -> None:
+    """The probe pass on a model that already holds a candidate's weights, run while the
+    optimizer's state is still being read: it costs the restore no time of its own."""
+    try:
+        into.append(probe_logits(state.model, probe["inputs"]).detach().cpu())
+    except Exception:  # inputs the model does not take: the post-restore pass says why
+        return
+
+
+def validate_probe(
+    state: TrainingState, contents: CheckpointContents, *, actual: torch.Tensor | None = None
+) -> None:
+    """Recompute the probe logits (unless ``actual`` holds them) and compare: exactly on the
+    same CPU kernels, else allclose."""
     inputs, expected = contents.probe["inputs"], contents.probe["logits"]
-    actual = probe_logits(state.model, inputs).detach().cpu()
+    if actual is None:
+        actual = probe_logits(state.model, inputs).detach().cpu()
     device = str(next(state.model.parameters()).device)
     # Exact only where the kernels are the same: CPU on both sides, same instruction set.
     exact = (

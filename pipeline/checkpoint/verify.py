@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -332,7 +332,10 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, Lis
 
 
 def load_checkpoint(
-    directory: str | Path, *, into: dict[str, dict[str, torch.Tensor]] | None = None
+    directory: str | Path,
+    *,
+    into: dict[str, dict[str, torch.Tensor]] | None = None,
+    on_model: Callable[[dict[str, torch.Tensor]], object] | None = None,
 ) -> CheckpointContents:
     """Verify, then read every file (safetensors and JSON, never pickle).
 
@@ -346,6 +349,11 @@ def load_checkpoint(
     and shape is read straight into them, and returned as them, so no fresh memory is mapped
     and nothing is copied afterwards. Those tensors are overwritten before the digest is
     known: when this raises, they hold unverified bytes (``resume`` knows what to do then).
+
+    ``on_model`` is called with the probe file's tensors, on the caller's thread, once
+    model.safetensors has been read and verified wholly into ``into`` (the live model then
+    holds the checkpoint's weights) and probe.safetensors verified, while the other files are
+    still being read: ``resume`` runs the probe batch there. Not called otherwise.
     """
     info, listed = _verify_layout(directory)
     if info.format == SHARDED_FORMAT:
@@ -367,11 +375,19 @@ def load_checkpoint(
 
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-read") as pool:
         futures = {name: pool.submit(read, name) for name in wanted}
+        early: BaseException | None = None
+        if on_model is not None and MODEL_FILE in futures and PROBE_FILE in futures:
+            try:
+                _model_read(futures[MODEL_FILE], futures[PROBE_FILE], on_model)
+            except BaseException as exc:  # raised below, once no read writes into ``into``
+                early = exc
         # Every read finishes before any error is raised: none may still write into ``into``.
         done = [(name, future.exception()) for name, future in futures.items()]
         failed = [exc for _, exc in done if exc is not None]
         if failed:
             raise failed[0]
+        if early is not None:
+            raise early
         buffers = {name: future.result() for name, future in futures.items()}
     verify_files(info.path, listed, [name for name in listed if name not in buffers])
     in_place = any(isinstance(b, ParsedInPlace) and b.in_place for b in buffers.values())
@@ -410,6 +426,27 @@ def load_checkpoint(
     )
 
 
+def _model_read(
+    model: Future[torch.Tensor | ParsedInPlace],
+    probe: Future[torch.Tensor | ParsedInPlace],
+    then: Callable[[dict[str, torch.Tensor]], object],
+) -> None:
+    if model.exception() is not None or probe.exception() is not None:
+        return
+    read = model.result()
+    if not (isinstance(read, ParsedInPlace) and read.whole):
+        return  # some weights are not in the model yet: restore puts them there first
+    probe_read = probe.result()
+    if isinstance(probe_read, ParsedInPlace):
+        tensors = probe_read.tensors
+    else:
+        try:
+            tensors, _ = parse_safetensors(probe_read)
+        except TensorFileError:
+            return  # load_checkpoint says so, after the other reads
+    then(tensors)
+
+
 def read_trainer_state(directory: str | Path) -> dict[str, Any]:
     """A committed checkpoint's ``trainer_state.json``, verified against MANIFEST.json.
 
@@ -437,6 +474,7 @@ class ParsedInPlace:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
     in_place: bool  # some tensor was read straight into a destination
+    whole: bool = False  # every tensor was: the destinations hold the whole file
 
 
 def read_verified_into(
@@ -519,7 +557,9 @@ def read_verified_into(
             tensors[entry.name] = plan.placed[entry.name]
         else:
             tensors[entry.name] = tensor_view(spill, entry, plan.spill_offset[entry.name])
-    return ParsedInPlace(tensors, metadata, in_place=bool(plan.placed))
+    return ParsedInPlace(
+        tensors, metadata, in_place=bool(plan.placed), whole=len(plan.placed) == len(entries)
+    )
 
 
 def _scatter(
