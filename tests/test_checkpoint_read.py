@@ -143,3 +143,32 @@ def test_a_read_error_reaches_the_caller_with_its_errno(
         read_verified_into(tmp_path, listed, {"big": torch.zeros(300_001)})
     assert caught.value.errno == errno.EIO
     assert threading.active_count() == before
+
+
+def test_blocks_that_arrive_out_of_order_or_short_are_handed_out_in_file_order(
+    tmp_path: Path, small_blocks: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads read each file: a block that lands first waits for the one before it, and a
+    read the kernel cuts short mid-file is finished, never taken for the end of the file."""
+    path = tmp_path / "model.safetensors"
+    listed = _write(path, _tensors())
+    counting = direct_io.os.preadv
+    first_done = threading.Event()
+    order: list[int] = []
+
+    def uneven(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if offset == 0:
+            first_done.wait(timeout=5)  # block 0 lands after block 1
+        if offset == 3 * 8192:
+            buffers = [buffers[0][:4096]]  # a short read in the middle of the file
+        count = counting(fd, buffers, offset)
+        order.append(offset)
+        if offset == 8192:
+            first_done.set()
+        return count
+
+    monkeypatch.setattr(direct_io.os, "preadv", uneven)
+    whole = read_verified(tmp_path, listed)
+    assert whole.numpy().tobytes() == path.read_bytes()
+    assert order.index(8192) < order.index(0)
+    assert 3 * 8192 + 4096 in order  # the rest of the short block, read by the same thread

@@ -24,7 +24,8 @@ from types import TracebackType
 DIRECT_ALIGN = 4096  # covers 512- and 4096-byte logical blocks
 DIRECT_MIN_BYTES = 8 * 1024 * 1024  # smaller files are written (and read) through the cache
 READ_BLOCK = 4 * 1024 * 1024  # per read: hashed and copied while it is still in the CPU cache
-_READ_DEPTH = 3  # blocks per file in flight: the disk stays up to two blocks ahead
+_READERS = 2  # reads in flight per file: the disk always has the next one queued
+_READ_DEPTH = 4  # buffers per file: one with the caller, two being read, one ready
 _SPARE_BLOCKS = 4 * _READ_DEPTH  # aligned buffers kept for the next reader, across calls
 _spare: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
 
@@ -40,20 +41,24 @@ def use_direct_io(fd: int, on: bool = True) -> bool:
 
 
 class BlockReader:
-    """A file read once, in order, from offset 0 to its end, on a thread of its own.
+    """A file read once, in order, from offset 0 to its end, by threads of its own.
 
     Iterating yields ``(offset, bytes)`` pairs that cover the file in order; each memoryview
-    is valid until the next one is asked for (its buffer is then read into again). The thread
-    reads ahead into a few reused, page-aligned buffers, with O_DIRECT when ``direct`` and the
-    filesystem allows it, so the disk works while the caller hashes and copies. It stops once
-    it has read past ``limit`` bytes (the size the caller expects), so a file that grew is
-    seen as longer without being read whole. Leaving the ``with`` block stops the thread.
+    is valid until the next one is asked for (its buffer is then read into again). Two
+    threads read ahead, each a whole block at a time, into a few reused, page-aligned
+    buffers, with O_DIRECT when ``direct`` and the filesystem allows it, so the disk has a
+    read queued while the caller hashes and copies. They stop once past ``limit`` bytes (the
+    size the caller expects), so a file that grew is seen as longer without being read whole.
+    Leaving the ``with`` block stops the threads.
     """
 
     def __init__(self, fd: int, limit: int, *, direct: bool) -> None:
         self._fd = fd
         self._limit = limit
-        self._direct = direct and use_direct_io(fd)
+        self._direct = self._began_direct = direct and use_direct_io(fd)
+        self._lock = threading.Lock()
+        self._next = 0  # the offset the next reader takes
+        self._end: int | None = None  # where a read found the file to end
         self._buffers = [_take_buffer() for _ in range(_READ_DEPTH)]
         self._views = [memoryview(buffer) for buffer in self._buffers]
         self._free: queue.SimpleQueue[int | None] = queue.SimpleQueue()
@@ -62,10 +67,14 @@ class BlockReader:
         )
         for index in range(_READ_DEPTH):
             self._free.put(index)
-        self._thread = threading.Thread(target=self._run, name="checkpoint-read", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._run, name="checkpoint-read", daemon=True)
+            for _ in range(_READERS)
+        ]
 
     def __enter__(self) -> BlockReader:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def __exit__(
@@ -74,49 +83,83 @@ class BlockReader:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self._free.put(None)  # wakes a thread waiting for a buffer; it stops there
-        self._thread.join()
+        for _ in self._threads:
+            self._free.put(None)  # wakes a thread waiting for a buffer; it stops there
+        for thread in self._threads:
+            thread.join()
         for buffer in self._buffers:
             if _spare.qsize() < _SPARE_BLOCKS:
                 _spare.put(buffer)
 
     def __iter__(self) -> Iterator[tuple[int, memoryview]]:
-        while (item := self._filled.get()) is not None:
-            if isinstance(item, BaseException):
+        # Blocks arrive in any order; they are handed out in file order. The lowest offset
+        # not yet handed out is always being read by a thread that holds its buffer, so the
+        # blocks parked here never starve the readers for good.
+        parked: dict[int, tuple[int, int]] = {}
+        at, running = 0, len(self._threads)
+        while True:
+            if at in parked:
+                index, count = parked.pop(at)
+                try:
+                    yield at, self._views[index][:count]
+                finally:
+                    self._free.put(index)
+                at += count
+                continue
+            if not running:
+                return  # the file ends at ``at`` (anything parked lies past a gap)
+            item = self._filled.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
                 raise item
-            index, offset, count = item
-            try:
-                yield offset, self._views[index][:count]
-            finally:
-                self._free.put(index)
+            else:
+                index, offset, count = item
+                parked[offset] = (index, count)
 
     def _run(self) -> None:
-        offset = 0
         try:
-            while offset <= self._limit:
-                index = self._free.get()
-                if index is None:
-                    return
-                count = self._read(self._views[index], offset)
-                if count == 0:
-                    break
+            while (index := self._free.get()) is not None:
+                with self._lock:
+                    offset = self._next
+                    if offset > self._limit or (self._end is not None and offset >= self._end):
+                        self._free.put(index)
+                        return
+                    self._next += READ_BLOCK
+                count = self._fill(self._views[index], offset)
+                if count < READ_BLOCK:
+                    with self._lock:
+                        self._end = min(offset + count, self._end or offset + count)
+                if not count:
+                    self._free.put(index)
+                    continue
                 self._filled.put((index, offset, count))
-                offset += count
-                if self._direct and count % DIRECT_ALIGN:
-                    # A read that ends off the block grid: the end of the file, or a file
-                    # that grows. The next read's offset is unaligned, which O_DIRECT refuses.
-                    self._direct = not use_direct_io(self._fd, on=False)
         except BaseException as exc:  # the caller raises it, from its own thread
             self._filled.put(exc)
-            return
-        self._filled.put(None)
+        finally:
+            self._filled.put(None)
+
+    def _fill(self, view: memoryview, offset: int) -> int:
+        """Read the whole block at ``offset``, short only where the file ends."""
+        done = 0
+        while done < len(view):
+            count = self._read(view[done:], offset + done)
+            if not count:
+                break
+            done += count
+            if self._direct and count % DIRECT_ALIGN:
+                # A read that ends off the block grid: the end of the file, or a file that
+                # grows. The next read's offset is unaligned, which O_DIRECT refuses.
+                self._direct = not use_direct_io(self._fd, on=False)
+        return done
 
     def _read(self, view: memoryview, offset: int) -> int:
         try:
             return os.preadv(self._fd, [view], offset)
         except OSError as exc:
-            # Some filesystems accept the flag and refuse the read: read through the cache.
-            if not (self._direct and exc.errno == errno.EINVAL):
+            # Some filesystems accept the flag and refuse the read: read through the cache
+            # (the other reader may have switched the descriptor over already).
+            if not (self._began_direct and exc.errno == errno.EINVAL):
                 raise
             self._direct = not use_direct_io(self._fd, on=False)
             return os.preadv(self._fd, [view], offset)
