@@ -172,3 +172,14 @@ def test_blocks_that_arrive_out_of_order_or_short_are_handed_out_in_file_order(
     assert whole.numpy().tobytes() == path.read_bytes()
     assert order.index(8192) < order.index(0)
     assert 3 * 8192 + 4096 in order  # the rest of the short block, read by the same thread
+
+
+def test_a_file_that_ends_inside_its_header_is_refused_for_what_it_is(tmp_path: Path) -> None:
+    """Bytes that match the manifest but cannot be a tensor file (shorter than the 8 bytes
+    that give the header's length): "does not load", not "changed while being read"."""
+    path = tmp_path / "model.safetensors"
+    raw = b"\x05\x00\x00\x00\x00"
+    path.write_bytes(raw)
+    listed = ListedFile(path.name, len(raw), DigestAlgorithm.BLAKE3, blake3.blake3(raw).hexdigest())
+    with pytest.raises(CorruptCheckpointError, match="does not load"):
+        read_verified_into(tmp_path, listed, {})

@@ -532,6 +532,8 @@ def read_verified_into(
                 if used < len(view):
                     source = torch.frombuffer(view, dtype=torch.uint8)[used:]
                     segment = _scatter(segments, segment, offset + used - data_at, source)
+            if plan is None and got == size:
+                raise TensorFileError(f"a {size}-byte file ends inside its header")
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(
             directory, name, "listed in MANIFEST.json but missing"
