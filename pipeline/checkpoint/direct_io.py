@@ -3,11 +3,11 @@
 A checkpoint is written once and read once, by another process: caching its pages helps no
 one. Measured on this VM (bench/checkpoint_bench.py, README "Checkpoints that survive
 kill -9"): through the page cache, 1 GB written + fsynced took 2.8 s and 2.5 s of CPU, and a
-freshly written 1 GB read cold took 1.1-1.45 s with 1.2-2.0 s of system CPU (the kernel
-allocating a gigabyte of cache pages the guest had never touched). With O_DIRECT the write
-took 0.29 s and 0.04 s of CPU, and the read, BLAKE3 and copy into the model included,
-0.38-0.63 s. A filesystem that refuses O_DIRECT (tmpfs, some network mounts) gets the page
-cache.
+freshly written 1 GB read cold took 1.15-1.45 s with 1.2-2.0 s of system CPU (the kernel
+filling a gigabyte of cache pages the guest had never touched). With O_DIRECT the write took
+0.29 s and 0.04 s of CPU, and ``load_checkpoint``, BLAKE3 and the copy into the model
+included, 0.50-0.54 s. A filesystem that refuses O_DIRECT (tmpfs, some network mounts) gets
+the page cache.
 """
 
 from __future__ import annotations
