@@ -7,6 +7,7 @@ block that ends off the 4096-byte grid.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -183,3 +184,50 @@ def test_a_file_that_ends_inside_its_header_is_refused_for_what_it_is(tmp_path: 
     listed = ListedFile(path.name, len(raw), DigestAlgorithm.BLAKE3, blake3.blake3(raw).hexdigest())
     with pytest.raises(CorruptCheckpointError, match="does not load"):
         read_verified_into(tmp_path, listed, {})
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_direct_buffers_are_aligned_private_memory_on_huge_pages(tmp_path: Path) -> None:
+    size = 8 * 1024 * 1024
+    buffer = direct_io.direct_buffer(size)
+    assert len(buffer) == size and not buffer.readonly
+    exported = (ctypes.c_char * size).from_buffer(buffer)
+    address = ctypes.addressof(exported)
+    assert address % (2 * 1024 * 1024) == 0
+    buffer[:] = b"\x01" * size  # first touch: the kernel backs it now
+    # An O_DIRECT read lands in it (aligned address, aligned length).
+    path = tmp_path / "blocks"
+    path.write_bytes(os.urandom(size))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        direct = direct_io.use_direct_io(fd)
+        assert os.preadv(fd, [buffer], 0) == size
+    finally:
+        os.close(fd)
+    assert bytes(buffer) == path.read_bytes()
+    if not direct or _thp_mode() == "never":
+        pytest.skip("no O_DIRECT or no transparent huge pages here: alignment checked only")
+    # Private anonymous memory, advised: each 2 MiB is one physically contiguous segment of
+    # an O_DIRECT request (a shared mapping would be shmem, which takes no such advice).
+    assert _anon_huge_kib(address) >= size // 1024
+    del exported

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import threading
 import time
@@ -19,7 +18,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint.direct_io import DIRECT_ALIGN, DIRECT_MIN_BYTES, use_direct_io
+from pipeline.checkpoint.direct_io import (
+    DIRECT_ALIGN,
+    DIRECT_MIN_BYTES,
+    direct_buffer,
+    use_direct_io,
+)
 from pipeline.checkpoint.layout import (
     COMMITTED_FILE,
     FORMAT,
@@ -223,12 +227,11 @@ def write_chunks_direct(
     once the first half of the bytes (rounded down to a block) are on the disk; ``digest`` is
     fed each gathered slice (not the padding) while it is still in the cache, before its write.
     """
-    bounce = getattr(_bounce, "buffer", None)
-    if bounce is None:
-        # One per thread (an async writer and the trainer may write at once); an anonymous
-        # mapping is page-aligned, so every slice at a block multiple is aligned too.
-        bounce = _bounce.buffer = mmap.mmap(-1, _DIRECT_BUFFER)
-    out = memoryview(bounce)
+    out = getattr(_bounce, "buffer", None)
+    if out is None:
+        # One per thread (an async writer and the trainer may write at once); aligned, so
+        # every slice at a block multiple is aligned too, and on huge pages (direct_io.py).
+        out = _bounce.buffer = direct_buffer(_DIRECT_BUFFER)
     size = sum(len(c) for c in chunks)
     half = size // 2 // DIRECT_ALIGN * DIRECT_ALIGN if halfway is not None else -1
     written = filled = 0
