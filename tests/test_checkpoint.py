@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import shutil
@@ -605,6 +606,38 @@ def test_large_files_are_written_byte_for_byte_and_the_fault_hook_sees_half(
     assert digest.hexdigest() == blake3.blake3(expected).hexdigest()  # hashed inline, no padding
     assert len(calls) == (1 if direct else 0)
     assert len(seen) == 1 and 0 <= len(expected) // 2 - seen[0] < (4096 if direct else 1)
+
+
+def test_o_direct_writes_run_beside_the_gathering_and_their_error_keeps_its_errno(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk writes one slice on a thread of its own while the caller gathers and hashes
+    the next; a write that fails (ENOSPC on the third slice) is raised to the caller with its
+    errno and the file's name, after the writes in flight, and no write thread outlives it."""
+    writers: list[int] = []
+    real = checkpoint_writer.os.pwrite
+
+    def pwrite(fd: int, data: memoryview, offset: int) -> int:
+        writers.append(threading.get_ident())
+        if len(writers) == 3 and fail:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(checkpoint_writer.os, "pwrite", pwrite)
+    data = torch.arange(20 * 1024 * 1024, dtype=torch.int32).view(torch.uint8)  # 80 MiB
+    chunks = [memoryview(data[:-7].numpy()), memoryview(data[-7:].numpy())]
+    fail = False
+    path = tmp_path / "ok.safetensors"
+    checkpoint_writer.write_chunks_durably(path, chunks)
+    assert path.read_bytes() == data.numpy().tobytes()
+    assert writers and threading.get_ident() not in writers
+
+    fail, writers[:] = True, []
+    path = tmp_path / "full.safetensors"
+    with pytest.raises(OSError) as raised:
+        checkpoint_writer.write_chunks_durably(path, chunks)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
+    assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-write")]
 
 
 # -- reading straight into the live tensors -----------------------------------------------------

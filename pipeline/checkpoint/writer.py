@@ -10,9 +10,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,8 +52,14 @@ _WRITE_SLICE = 64 * 1024 * 1024  # per write(2): large, but under Linux's 2 GiB 
 _HASH_IN_THREAD_BYTES = 8 * 1024 * 1024  # below this, a thread costs more than it saves
 # Large files bypass the page cache (O_DIRECT, direct_io.py says why): page-cache writeback is
 # CPU that a background save otherwise takes from the training thread.
-_DIRECT_BUFFER = 16 * 1024 * 1024  # the aligned bounce buffer the chunks are gathered into
-_bounce = threading.local()
+_DIRECT_BUFFER = 16 * 1024 * 1024  # an aligned bounce buffer the chunks are gathered into
+# Gathered 1 MiB at a time, each piece hashed at once while it is in the core's cache; no one
+# copy holds the GIL long (memoryview assignment keeps it; the write thread needs it between
+# writes).
+_GATHER_SLICE = 1024 * 1024
+_BOUNCE_BUFFERS = 3  # one being filled and hashed, one being written, one waiting to be
+# Kept across writes (an async writer and the trainer may write at once): mapped once per process.
+_bounce_spare: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
 
 
 @dataclass(frozen=True)
@@ -222,53 +231,94 @@ def write_chunks_direct(
     """Like :func:`write_chunks`, on a descriptor opened with O_DIRECT.
 
     O_DIRECT wants aligned addresses, lengths and offsets, which tensors laid end to end are
-    not: the chunks are gathered into an aligned bounce buffer that is written whole. The last
+    not: the chunks are gathered into aligned bounce buffers, each written whole. The last
     block is padded with zeros and the file truncated back to its size. ``halfway`` is called
     once the first half of the bytes (rounded down to a block) are on the disk; ``digest`` is
     fed each gathered slice (not the padding) while it is still in the cache, before its write.
+
+    The writes run on a thread of their own, in file order, while this thread gathers and
+    hashes the next slice: the disk is never idle waiting for the CPU, nor the CPU for the
+    disk. A write's error (ENOSPC, EIO) is raised here, with its errno, once the writes
+    already in flight are done (they read the bounce buffers).
     """
-    out = getattr(_bounce, "buffer", None)
-    if out is None:
-        # One per thread (an async writer and the trainer may write at once); aligned, so
-        # every slice at a block multiple is aligned too, and on huge pages (direct_io.py).
-        out = _bounce.buffer = direct_buffer(_DIRECT_BUFFER)
     size = sum(len(c) for c in chunks)
     half = size // 2 // DIRECT_ALIGN * DIRECT_ALIGN if halfway is not None else -1
-    written = filled = 0
+    buffers = [_take_bounce() for _ in range(_BOUNCE_BUFFERS)]
+    in_flight: deque[Future[None]] = deque()  # oldest first; the nth used buffers[n % 3]
+    flushed = filled = flushes = 0
+    out = buffers[0]
 
     def flush(length: int) -> None:
-        nonlocal written, filled
-        if digest is not None:
-            digest.update(out[:filled])
-        done = 0
-        while done < length:
-            done += os.write(fd, out[done:length])
-        written += length
+        nonlocal flushed, filled, flushes, out
+        in_flight.append(disk.submit(_pwrite_all, fd, out[:length], flushed))
+        flushed += length
         filled = 0
+        flushes += 1
+        # The next buffer is free once the write that last used it is done.
+        while len(in_flight) >= len(buffers):
+            in_flight.popleft().result()
+        out = buffers[flushes % len(buffers)]
 
-    for chunk in chunks:
-        view = chunk
-        while len(view):
-            room = _DIRECT_BUFFER - filled
-            if written < half:
-                room = min(room, half - written - filled)  # flush exactly at the half
-            count = min(room, len(view))
-            out[filled : filled + count] = view[:count]
-            filled += count
-            view = view[count:]
-            if filled == _DIRECT_BUFFER or written + filled == half:
-                flush(filled)
-                if written == half and halfway is not None:
-                    halfway()
-                    halfway = None
-    if filled:
-        padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
-        out[filled:padded] = bytes(padded - filled)
-        flush(padded)
+    def drain() -> None:
+        while in_flight:
+            in_flight.popleft().result()
+
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write") as disk:
+            try:
+                for chunk in chunks:
+                    view = chunk
+                    while len(view):
+                        room = _DIRECT_BUFFER - filled
+                        if flushed < half:
+                            room = min(room, half - flushed - filled)  # flush exactly at the half
+                        count = min(room, len(view), _GATHER_SLICE)
+                        out[filled : filled + count] = view[:count]
+                        if digest is not None:  # while the slice is still in the core's cache
+                            digest.update(out[filled : filled + count])
+                        filled += count
+                        view = view[count:]
+                        if filled == _DIRECT_BUFFER or flushed + filled == half:
+                            flush(filled)
+                            if flushed == half and halfway is not None:
+                                drain()
+                                halfway()
+                                halfway = None
+                if filled:
+                    padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
+                    out[filled:padded] = bytes(padded - filled)
+                    flush(padded)
+                drain()
+            finally:
+                for write in in_flight:  # after an error: none may still read a buffer
+                    write.exception()
+    finally:
+        for buffer in buffers:
+            if _bounce_spare.qsize() < 2 * _BOUNCE_BUFFERS:
+                _bounce_spare.put(buffer)
+    if flushed != size:
         os.ftruncate(fd, size)
     if halfway is not None:
         halfway()
     return size
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        count = os.pwrite(fd, view[done:], offset + done)
+        if not count:
+            raise OSError(errno.EIO, "write(2) wrote nothing")
+        done += count
+
+
+def _take_bounce() -> memoryview:
+    try:
+        return _bounce_spare.get_nowait()
+    except queue.Empty:
+        # Aligned, so every slice at a block multiple is aligned too, and on huge pages
+        # (direct_io.py says why).
+        return direct_buffer(_DIRECT_BUFFER)
 
 
 def write_chunks_durably(
