@@ -18,7 +18,9 @@ plus the two moments are 1.007 GB. One process, one training thread (as the trai
     memory bandwidth; that cost is what (d) measures over whole windows).
 (b) save throughput: bytes ÷ time of ``write_and_commit`` (every file hashed, written, fsynced,
     MANIFEST.json, COMMITTED by temp file + fsync + rename + directory fsync), ÷ the same for
-    a raw write(2) + fsync of the same bytes to the same files. Target >= 0.8.
+    a raw write(2) + fsync of the same bytes to the same files: the faster of a write through
+    the page cache and one around it (O_DIRECT, from aligned memory that already holds the
+    bytes, as Tracks' writer bypasses the cache). Target >= 0.8.
 (c) restore throughput: ``CheckpointManager.resume`` in a fresh manager, as a new attempt runs
     it (trainer state checked, every tensor read once straight into the live model and
     optimizer tensors, BLAKE3 of every byte, restore, the probe batch re-run), ÷ a
@@ -47,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import mmap
 import os
 import platform
 import shutil
@@ -74,6 +75,12 @@ from pipeline.checkpoint import (
     CheckpointConfig,
     CheckpointManager,
     TrainingState,
+)
+from pipeline.checkpoint.direct_io import (
+    DIRECT_ALIGN,
+    DIRECT_MIN_BYTES,
+    direct_buffer,
+    use_direct_io,
 )
 from pipeline.checkpoint.layout import fsync_dir
 from pipeline.checkpoint.state import (
@@ -159,6 +166,52 @@ def raw_write(directory: Path, files: dict[str, list[memoryview]]) -> int:
     return total
 
 
+def file_images(
+    files: dict[str, list[memoryview]], reuse: dict[str, tuple[memoryview, int]] | None = None
+) -> dict[str, tuple[memoryview, int]]:
+    """Each file's bytes laid out in one aligned buffer (on huge pages, padded to the block),
+    with the file's size: what an O_DIRECT write can take as it is. Buffers of ``reuse`` with
+    the right length are filled again (no memory is mapped or freed between repeats)."""
+    images = {}
+    for name, chunks in files.items():
+        size = sum(len(chunk) for chunk in chunks)
+        length = max(DIRECT_ALIGN, -(-size // DIRECT_ALIGN) * DIRECT_ALIGN)
+        image = (reuse or {}).get(name, (None, 0))[0]
+        if image is None or len(image) != length:
+            image = direct_buffer(length)
+        at = 0
+        for chunk in chunks:
+            image[at : at + len(chunk)] = chunk.cast("B")
+            at += len(chunk)
+        image[at:] = bytes(len(image) - at)
+        images[name] = (image, size)
+    return images
+
+
+def raw_write_direct(directory: Path, images: dict[str, tuple[memoryview, int]]) -> int:
+    """write(2) + fsync of the same bytes with O_DIRECT, from aligned memory already there (no
+    gathering, no hashing): the floor for a writer that bypasses the page cache, as Tracks'
+    does for files of 8 MiB and more. Small files go through the cache, as Tracks' do."""
+    directory.mkdir()
+    total = 0
+    for name, (image, size) in images.items():
+        fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            direct = size >= DIRECT_MIN_BYTES and use_direct_io(fd)
+            end = len(image) if direct else size
+            at = 0
+            while at < end:
+                at += os.write(fd, image[at : min(end, at + _SLICE)])
+            if direct and end != size:
+                os.ftruncate(fd, size)
+            os.fsync(fd)
+            total += size
+        finally:
+            os.close(fd)
+    fsync_dir(directory)
+    return total
+
+
 def raw_read(
     directory: Path, buffers: dict[str, torch.Tensor] | None = None, *, direct: bool = False
 ) -> int:
@@ -192,10 +245,11 @@ def raw_read(
 
 
 def mapped_bytes(size: int) -> torch.Tensor:
-    """``size`` bytes of page-aligned memory, touched (as live tensors are), with room for an
-    O_DIRECT read of the file's last partial block."""
-    buffer = torch.frombuffer(mmap.mmap(-1, max(4096, -(-size // 4096) * 4096)), dtype=torch.uint8)
-    return buffer.fill_(1)
+    """``size`` bytes of aligned memory, touched (as live tensors are), with room for an
+    O_DIRECT read of the file's last partial block: on huge pages, as Tracks' own read
+    buffers are (direct_io.py), so the floor's requests are as large as the disk takes."""
+    buffer = direct_buffer(max(DIRECT_ALIGN, -(-size // DIRECT_ALIGN) * DIRECT_ALIGN))
+    return torch.frombuffer(buffer, dtype=torch.uint8).fill_(1)
 
 
 def settle(seconds: float = 1.5) -> None:
@@ -325,12 +379,16 @@ def run(args: argparse.Namespace, root: Path) -> int:
     say(f"(a) the step after a save, longer than a plain one by {_fmt(slower)}")
 
     # (b) full save vs raw write + fsync of the same bytes, interleaved ABBA.
+    # The floor is the faster of two raw writes of the same bytes: through the page cache, and
+    # with O_DIRECT from aligned memory already there, as Tracks' writer bypasses the cache.
     buffers = StagingBuffers()
-    ours_b, raw_b = [], []
+    ours_b, raw_b, direct_b = [], [], []
+    images: dict[str, tuple[memoryview, int]] = {}
     for index in range(args.repeats):
         state.step += 1
         staged = stage_checkpoint(state, run_id="bench", attempt_no=1, buffers=buffers)
         files = serialize_staged(staged)
+        images = file_images(files, images)
 
         def our_write(staged: Any = staged) -> None:
             settle()
@@ -338,15 +396,21 @@ def run(args: argparse.Namespace, root: Path) -> int:
             ours_b.append(info.size_bytes / seconds)
             fresh_dirs()
 
-        def plain_write(files: Any = files) -> None:
+        def plain_write(files: Any = files, images: Any = images) -> None:
             settle()
             seconds, written = timed(lambda: raw_write(root / "raw", files))
             raw_b.append(written / seconds)
             shutil.rmtree(root / "raw")
+            settle()
+            seconds, written = timed(lambda: raw_write_direct(root / "raw", images))
+            direct_b.append(written / seconds)
+            shutil.rmtree(root / "raw")
 
         for side in _abba(index, our_write, plain_write):
             side()
-    say(f"(b) save {_fmt(ours_b, 1e-9, 'GB/s')}; raw write {_fmt(raw_b, 1e-9, 'GB/s')}")
+    say(f"(b) save {_fmt(ours_b, 1e-9, 'GB/s')}; raw write {_fmt(raw_b, 1e-9, 'GB/s')}; "
+        f"O_DIRECT {_fmt(direct_b, 1e-9, 'GB/s')}")  # fmt: skip
+    write_floor = max(statistics.median(raw_b), statistics.median(direct_b))
 
     # (c) restore with verification vs raw read, both cold, interleaved ABBA. Both read into
     # memory that is already there: ours into the live tensors, the floor into buffers
@@ -445,8 +509,8 @@ def run(args: argparse.Namespace, root: Path) -> int:
             f"{med(torch_saves):.3f} s torch.save+fsync", med(stalls) / med(torch_saves),
             "<= 0.05", med(stalls) / med(torch_saves) <= 0.05),
         Row("(b) full save throughput", f"{med(ours_b) / 1e9:.2f} GB/s",
-            f"{med(raw_b) / 1e9:.2f} GB/s raw write+fsync", med(ours_b) / med(raw_b),
-            ">= 0.8", med(ours_b) / med(raw_b) >= 0.8),
+            f"{write_floor / 1e9:.2f} GB/s raw write+fsync", med(ours_b) / write_floor,
+            ">= 0.8", med(ours_b) / write_floor >= 0.8),
         Row("(c) restore with verification (cold)", f"{med(ours_c) / 1e9:.2f} GB/s",
             f"{read_floor / 1e9:.2f} GB/s raw read", med(ours_c) / read_floor,
             ">= 0.8", med(ours_c) / read_floor >= 0.8),
@@ -489,7 +553,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
     print(f"sha256 on one core: {sha256_speed() / 1e9:.2f} GB/s; "
           f"blake3 on one core: {blake3_speed() / 1e9:.2f} GB/s")  # fmt: skip
     print()
-    print_peers(peer_rows, size=size, raw_write=med(raw_b), raw_read=read_floor)
+    print_peers(peer_rows, size=size, raw_write=write_floor, raw_read=read_floor)
     return 0
 
 
