@@ -307,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hash-workers", type=int, default=0, help="0: hash inline (default)")
     parser.add_argument("--dir", type=Path, help="where to write (default: a temp dir)")
     args = parser.parse_args(argv)
+    if args.dir is not None and not args.dir.is_dir():
+        parser.error(f"--dir {args.dir}: not a directory")
+    if args.repeats < 1 or args.save_every < 1:
+        parser.error("--repeats and --save-every must be at least 1")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     root = Path(tempfile.mkdtemp(prefix="tracks-ckpt-bench-", dir=args.dir))
