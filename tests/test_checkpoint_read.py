@@ -11,6 +11,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import queue
 import threading
 from pathlib import Path
 
@@ -231,3 +232,33 @@ def test_direct_buffers_are_aligned_private_memory_on_huge_pages(tmp_path: Path)
     # an O_DIRECT request (a shared mapping would be shmem, which takes no such advice).
     assert _anon_huge_kib(address) >= size // 1024
     del exported
+
+
+def test_read_buffers_prepared_ahead_are_the_ones_the_first_read_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer maps and touches the read buffers while it loads data: the first restore of
+    the process then maps none of its own, and preparing twice does not grow the pool."""
+    monkeypatch.setattr(direct_io, "_spare", queue.SimpleQueue())
+    direct_io.prepare_read_buffers().join()
+    direct_io.prepare_read_buffers().join()
+    assert direct_io._spare.qsize() == direct_io._SPARE_BLOCKS
+
+    mapped: list[int] = []
+    real = direct_io.direct_buffer
+    monkeypatch.setattr(direct_io, "direct_buffer", lambda size: mapped.append(size) or real(size))
+    data = os.urandom(2 * direct_io.READ_BLOCK + 4096 * 3 + 17)  # three readers, a short end
+    path = tmp_path / "optimizer.safetensors"
+    path.write_bytes(data)
+    got = bytearray()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with direct_io.BlockReader(fd, len(data), direct=True) as blocks:
+            for offset, view in blocks:
+                assert offset == len(got)
+                got += view
+    finally:
+        os.close(fd)
+    assert bytes(got) == data
+    assert mapped == []
+    assert direct_io._spare.qsize() == direct_io._SPARE_BLOCKS  # all handed back

@@ -206,6 +206,31 @@ def direct_buffer(size: int) -> memoryview:
     return memoryview(mapping)[start : start + size]
 
 
+def prepare_read_buffers() -> threading.Thread:
+    """Map and touch the buffers a restore reads into, on a thread of its own; returns it.
+
+    A process's first restore otherwise touches them for the first time itself, and on a VM
+    first touching fresh memory costs a host fault per page: measured on 2 vCPUs, the first
+    ``resume`` of 1.007 GB in a new process took 0.36-0.39 s, and 0.27-0.31 s with these
+    buffers ready. The trainer starts this before it loads data and builds the model, when
+    the run already has a committed checkpoint to resume. Buffers a restore takes meanwhile
+    are simply mapped by the restore; the pool never grows past what two files use.
+    """
+
+    def fill() -> None:
+        zeros = bytes(READ_BLOCK)
+        for _ in range(_SPARE_BLOCKS):
+            if _spare.qsize() >= _SPARE_BLOCKS:
+                return
+            buffer = direct_buffer(READ_BLOCK)
+            buffer[:] = zeros
+            _spare.put(buffer)
+
+    thread = threading.Thread(target=fill, name="checkpoint-buffers", daemon=True)
+    thread.start()
+    return thread
+
+
 def _take_buffer() -> memoryview:
     while True:
         try:

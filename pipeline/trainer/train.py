@@ -29,8 +29,10 @@ from pipeline.checkpoint import (
     RestoreDivergedError,
     RNGState,
     TrainingState,
+    checkpoint_dirs,
     layout,
 )
+from pipeline.checkpoint.direct_io import DIRECT_MIN_BYTES, prepare_read_buffers
 from pipeline.determinism import use_deterministic_kernels
 from pipeline.distributed import CollectiveError, Groups, PeerRankError, World
 from pipeline.distributed.launch import launched_here
@@ -315,6 +317,8 @@ class Trainer:
             )
         if world.distributed:
             self.groups = Groups(world, device)
+        elif _resumes_large_files(self.attempt.run_dir):
+            prepare_read_buffers()  # while the data loads and the model is built
         self.data = data = load_training_data(cfg.snapshot_dir, ledger=self.attempt.ledger).to(
             device
         )
@@ -785,6 +789,23 @@ def _open_ledger(url: str | None, *, orchestrated: bool) -> Any:
 
     # The orchestrator migrated the schema before it began the attempt.
     return Ledger(url) if orchestrated else Ledger.open(url)
+
+
+def _resumes_large_files(run_dir: Path) -> bool:
+    """Whether the newest committed checkpoint has a file read around the page cache.
+
+    Only a hint for warming the read buffers: resume verifies everything itself.
+    """
+    newest = checkpoint_dirs(run_dir)[:1]
+    if not newest:
+        return False
+    try:
+        return any(
+            entry.is_file(follow_symlinks=False) and entry.stat().st_size >= DIRECT_MIN_BYTES
+            for entry in os.scandir(newest[0])
+        )
+    except OSError:
+        return False
 
 
 def _make_deterministic(cfg: TrainConfig) -> torch.device:
