@@ -79,6 +79,7 @@ from pipeline.checkpoint import (
 from pipeline.checkpoint.direct_io import (
     DIRECT_ALIGN,
     DIRECT_MIN_BYTES,
+    block_ceil,
     direct_buffer,
     use_direct_io,
 )
@@ -175,7 +176,7 @@ def file_images(
     images = {}
     for name, chunks in files.items():
         size = sum(len(chunk) for chunk in chunks)
-        length = max(DIRECT_ALIGN, -(-size // DIRECT_ALIGN) * DIRECT_ALIGN)
+        length = max(DIRECT_ALIGN, block_ceil(size))
         image = (reuse or {}).get(name, (None, 0))[0]
         if image is None or len(image) != length:
             image = direct_buffer(length)
@@ -248,7 +249,7 @@ def mapped_bytes(size: int) -> torch.Tensor:
     """``size`` bytes of aligned memory, touched (as live tensors are), with room for an
     O_DIRECT read of the file's last partial block: on huge pages, as Tracks' own read
     buffers are (direct_io.py), so the floor's requests are as large as the disk takes."""
-    buffer = direct_buffer(max(DIRECT_ALIGN, -(-size // DIRECT_ALIGN) * DIRECT_ALIGN))
+    buffer = direct_buffer(max(DIRECT_ALIGN, block_ceil(size)))
     return torch.frombuffer(buffer, dtype=torch.uint8).fill_(1)
 
 

@@ -11,7 +11,6 @@ import ctypes
 import errno
 import fcntl
 import os
-import queue
 import threading
 from pathlib import Path
 
@@ -239,10 +238,10 @@ def test_read_buffers_prepared_ahead_are_the_ones_the_first_read_takes(
 ) -> None:
     """The trainer maps and touches the read buffers while it loads data: the first restore of
     the process then maps none of its own, and preparing twice does not grow the pool."""
-    monkeypatch.setattr(direct_io, "_spare", queue.SimpleQueue())
+    monkeypatch.setattr(direct_io, "read_buffers", direct_io.BufferPool(direct_io._SPARE_BLOCKS))
     direct_io.prepare_read_buffers().join()
     direct_io.prepare_read_buffers().join()
-    assert direct_io._spare.qsize() == direct_io._SPARE_BLOCKS
+    assert direct_io.read_buffers.kept == direct_io._SPARE_BLOCKS
 
     mapped: list[int] = []
     real = direct_io.direct_buffer
@@ -261,4 +260,4 @@ def test_read_buffers_prepared_ahead_are_the_ones_the_first_read_takes(
         os.close(fd)
     assert bytes(got) == data
     assert mapped == []
-    assert direct_io._spare.qsize() == direct_io._SPARE_BLOCKS  # all handed back
+    assert direct_io.read_buffers.kept == direct_io._SPARE_BLOCKS  # all handed back

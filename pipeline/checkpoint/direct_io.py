@@ -29,7 +29,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import TracebackType
 
 DIRECT_ALIGN = 4096  # covers 512- and 4096-byte logical blocks
@@ -46,7 +46,6 @@ _READERS = 3  # reads in flight per file: the disk always has the next ones queu
 # Buffers per file: one with the caller, one per reader, one ready. Two files are read at
 # once; their buffers are kept for the next reader, across calls.
 _SPARE_BLOCKS = 2 * (_READERS + 2)
-_spare: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
 
 
 def use_direct_io(fd: int, on: bool = True) -> bool:
@@ -81,8 +80,7 @@ class BlockReader:
         # A small file is one block (the reads stop at the first block past ``limit``): it
         # gets one reader, not a large file's three.
         readers = min(_READERS, limit // READ_BLOCK + 1)
-        self._buffers = [_take_buffer() for _ in range(readers + 2)]
-        self._views = [memoryview(buffer) for buffer in self._buffers]
+        self._buffers = [read_buffers.take(READ_BLOCK) for _ in range(readers + 2)]
         self._free: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._filled: queue.SimpleQueue[tuple[int, int, int] | BaseException | None] = (
             queue.SimpleQueue()
@@ -109,9 +107,7 @@ class BlockReader:
             self._free.put(None)  # wakes a thread waiting for a buffer; it stops there
         for thread in self._threads:
             thread.join()
-        for buffer in self._buffers:
-            if _spare.qsize() < _SPARE_BLOCKS:
-                _spare.put(buffer)
+        read_buffers.give(self._buffers)
 
     def __iter__(self) -> Iterator[tuple[int, memoryview]]:
         # Blocks arrive in any order; they are handed out in file order. The lowest offset
@@ -123,7 +119,7 @@ class BlockReader:
             if at in parked:
                 index, count = parked.pop(at)
                 try:
-                    yield at, self._views[index][:count]
+                    yield at, self._buffers[index][:count]
                 finally:
                     self._free.put(index)
                 at += count
@@ -148,7 +144,7 @@ class BlockReader:
                         self._free.put(index)
                         return
                     self._next += READ_BLOCK
-                count = self._fill(self._views[index], offset)
+                count = self._fill(self._buffers[index], offset)
                 if count < READ_BLOCK:
                     with self._lock:
                         self._end = min(offset + count, self._end or offset + count)
@@ -187,6 +183,11 @@ class BlockReader:
             return os.preadv(self._fd, [view], offset)
 
 
+def block_ceil(size: int) -> int:
+    """``size`` rounded up to a whole O_DIRECT block: what a padded last write covers."""
+    return -(-size // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
 def direct_buffer(size: int) -> memoryview:
     """``size`` bytes of private anonymous memory for O_DIRECT, on huge pages where it can be.
 
@@ -206,6 +207,42 @@ def direct_buffer(size: int) -> memoryview:
     return memoryview(mapping)[start : start + size]
 
 
+class BufferPool:
+    """Buffers from :func:`direct_buffer` kept across calls, up to ``keep`` of them.
+
+    Mapping (and first touching) a buffer costs more than the read or write it serves, so
+    readers and writers hand theirs back here. Thread-safe; a buffer of another size than
+    the one asked for (the block size changed) is dropped.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._spare: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+
+    @property
+    def kept(self) -> int:
+        return self._spare.qsize()
+
+    def take(self, size: int) -> memoryview:
+        while True:
+            try:
+                buffer = self._spare.get_nowait()
+            except queue.Empty:
+                return direct_buffer(size)
+            if len(buffer) == size:
+                return buffer
+
+    def give(self, buffers: Iterable[memoryview]) -> None:
+        for buffer in buffers:
+            if self._spare.qsize() >= self._keep:
+                return
+            self._spare.put(buffer)
+
+
+# The buffers BlockReader reads into.
+read_buffers = BufferPool(keep=_SPARE_BLOCKS)
+
+
 def prepare_read_buffers() -> threading.Thread:
     """Map and touch the buffers a restore reads into, on a thread of its own; returns it.
 
@@ -220,22 +257,12 @@ def prepare_read_buffers() -> threading.Thread:
     def fill() -> None:
         zeros = bytes(READ_BLOCK)
         for _ in range(_SPARE_BLOCKS):
-            if _spare.qsize() >= _SPARE_BLOCKS:
+            if read_buffers.kept >= _SPARE_BLOCKS:
                 return
             buffer = direct_buffer(READ_BLOCK)
             buffer[:] = zeros
-            _spare.put(buffer)
+            read_buffers.give([buffer])
 
     thread = threading.Thread(target=fill, name="checkpoint-buffers", daemon=True)
     thread.start()
     return thread
-
-
-def _take_buffer() -> memoryview:
-    while True:
-        try:
-            buffer = _spare.get_nowait()
-        except queue.Empty:
-            return direct_buffer(READ_BLOCK)
-        if len(buffer) == READ_BLOCK:
-            return buffer

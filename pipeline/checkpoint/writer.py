@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -24,7 +23,8 @@ from typing import Any
 from pipeline.checkpoint.direct_io import (
     DIRECT_ALIGN,
     DIRECT_MIN_BYTES,
-    direct_buffer,
+    BufferPool,
+    block_ceil,
     use_direct_io,
 )
 from pipeline.checkpoint.layout import (
@@ -59,7 +59,7 @@ _DIRECT_BUFFER = 16 * 1024 * 1024  # an aligned bounce buffer the chunks are gat
 _GATHER_SLICE = 1024 * 1024
 _BOUNCE_BUFFERS = 3  # one being filled and hashed, one being written, one waiting to be
 # Kept across writes (an async writer and the trainer may write at once): mapped once per process.
-_bounce_spare: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+_bounce_buffers = BufferPool(keep=2 * _BOUNCE_BUFFERS)
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ def write_chunks_direct(
     """
     size = sum(len(c) for c in chunks)
     half = size // 2 // DIRECT_ALIGN * DIRECT_ALIGN if halfway is not None else -1
-    buffers = [_take_bounce() for _ in range(_BOUNCE_BUFFERS)]
+    buffers = [_bounce_buffers.take(_DIRECT_BUFFER) for _ in range(_BOUNCE_BUFFERS)]
     in_flight: deque[Future[None]] = deque()  # oldest first; the nth used buffers[n % 3]
     flushed = filled = flushes = 0
     out = buffers[0]
@@ -264,38 +264,34 @@ def write_chunks_direct(
             in_flight.popleft().result()
 
     try:
+        # Leaving the block waits for every write submitted, after an error too: none may
+        # still read a buffer once they are handed back.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write") as disk:
-            try:
-                for chunk in chunks:
-                    view = chunk
-                    while len(view):
-                        room = _DIRECT_BUFFER - filled
-                        if flushed < half:
-                            room = min(room, half - flushed - filled)  # flush exactly at the half
-                        count = min(room, len(view), _GATHER_SLICE)
-                        out[filled : filled + count] = view[:count]
-                        if digest is not None:  # while the slice is still in the core's cache
-                            digest.update(out[filled : filled + count])
-                        filled += count
-                        view = view[count:]
-                        if filled == _DIRECT_BUFFER or flushed + filled == half:
-                            flush(filled)
-                            if flushed == half and halfway is not None:
-                                drain()
-                                halfway()
-                                halfway = None
-                if filled:
-                    padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
-                    out[filled:padded] = bytes(padded - filled)
-                    flush(padded)
-                drain()
-            finally:
-                for write in in_flight:  # after an error: none may still read a buffer
-                    write.exception()
+            for chunk in chunks:
+                view = chunk
+                while len(view):
+                    room = _DIRECT_BUFFER - filled
+                    if flushed < half:
+                        room = min(room, half - flushed - filled)  # flush exactly at the half
+                    count = min(room, len(view), _GATHER_SLICE)
+                    out[filled : filled + count] = view[:count]
+                    if digest is not None:  # while the slice is still in the core's cache
+                        digest.update(out[filled : filled + count])
+                    filled += count
+                    view = view[count:]
+                    if filled == _DIRECT_BUFFER or flushed + filled == half:
+                        flush(filled)
+                        if flushed == half and halfway is not None:
+                            drain()
+                            halfway()
+                            halfway = None
+            if filled:
+                padded = block_ceil(filled)
+                out[filled:padded] = bytes(padded - filled)
+                flush(padded)
+            drain()
     finally:
-        for buffer in buffers:
-            if _bounce_spare.qsize() < 2 * _BOUNCE_BUFFERS:
-                _bounce_spare.put(buffer)
+        _bounce_buffers.give(buffers)
     if flushed != size:
         os.ftruncate(fd, size)
     if halfway is not None:
@@ -310,15 +306,6 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         if not count:
             raise OSError(errno.EIO, "write(2) wrote nothing")
         done += count
-
-
-def _take_bounce() -> memoryview:
-    try:
-        return _bounce_spare.get_nowait()
-    except queue.Empty:
-        # Aligned, so every slice at a block multiple is aligned too, and on huge pages
-        # (direct_io.py says why).
-        return direct_buffer(_DIRECT_BUFFER)
 
 
 def write_chunks_durably(
