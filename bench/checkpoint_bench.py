@@ -33,16 +33,19 @@ plus the two moments are 1.007 GB. One process, one training thread (as the trai
     the read.
 (d) training throughput with ``save_async`` every ``--save-every`` steps ÷ without saving,
     over windows of 2 x save-every steps that include all the work of their two saves.
-    Target >= 0.98.
+    Target >= 0.98. The same windows run with Tracks' synchronous ``save`` and with each
+    peer's save (below), all in an order rotated every repeat.
 (e) side by side on the same state (``checkpoint_peers.py``): Tracks' ``save``, ``save_async``
     and full ``resume`` (verify, restore, probe) against ``torch.save``/``torch.load``,
     safetensors, and DCP ``save``/``load``/``async_save``; each saves durably and restores
-    cold into the live model and optimizer, in an order rotated every repeat.
+    cold into the live model and optimizer, in an order rotated every repeat; and (d)'s
+    training throughput with each one's saves.
 
-The two sides of each ratio alternate A B, B A, … so that drift (page cache, writeback, other
-load on the machine) hits both; every timed write follows the deletion of the previous one's
-files, ``sync`` and a 1.5 s pause (on a VM, a write right after another 1 GB write can run 3x
-slower while the host flushes). The load average is printed: on a shared machine it matters.
+The two sides of each ratio alternate A B, B A, … (more sides: in a rotated order) so that
+drift (page cache, writeback, other load on the machine) hits both; every timed write
+follows the deletion of the previous one's files, ``sync`` and a 1.5 s pause (on a VM, a
+write right after another 1 GB write can run 3x slower while the host flushes). The load
+average is printed: on a shared machine it matters.
 """
 
 from __future__ import annotations
@@ -69,7 +72,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from checkpoint_peers import Loop, Peer, PeerFigures, all_peers  # bench/ is on sys.path
+from checkpoint_peers import (  # bench/ is on sys.path
+    Loop,
+    Peer,
+    PeerFigures,
+    PendingSave,
+    all_peers,
+)
 
 from pipeline.checkpoint import (
     CheckpointConfig,
@@ -478,35 +487,17 @@ def run(args: argparse.Namespace, root: Path) -> int:
     fresh_dirs()
 
     # (e) the peers and Tracks' own save/resume on the same state, in a rotated order.
-    peer_rows = peers_side_by_side(args, root, state, manager, inputs, targets, say)
+    peers = all_peers()
+    peer_rows = peers_side_by_side(args, root, state, manager, peers, inputs, targets, say)
 
-    # (d) training throughput with and without saving, windows interleaved ABBA.
-    window = 2 * args.save_every
-    plain, saving = [], []
-
-    def train_only() -> None:
-        seconds, _ = timed(lambda: [train_step(state, inputs, targets) for _ in range(window)])
-        plain.append(window / seconds)
-
-    def train_and_save() -> None:
-        def loop() -> None:
-            # Saves half-way through each save_every steps, and the window waits for the last
-            # one: every save's whole cost (stall and background work) falls inside it.
-            for index in range(window):
-                train_step(state, inputs, targets)
-                manager.poll()
-                if index % args.save_every == args.save_every // 2:
-                    manager.save_async(state)
-            manager.wait()
-
-        seconds, _ = timed(loop)
-        saving.append(window / seconds)
-        fresh_dirs()
-
-    for index in range(args.repeats):
-        for side in _abba(index, train_and_save, train_only):
-            side()
-    say(f"(d) with saves {_fmt(saving, 1, 'steps/s')}; without {_fmt(plain, 1, 'steps/s')}")
+    # (d) training throughput without saving, with Tracks' saves and with each peer's, the
+    # windows in an order rotated every repeat.
+    plain = training_side_by_side(
+        args, root, state, manager, peers, peer_rows, inputs, targets, say
+    )
+    saving = peer_rows[1].training  # Tracks save_async
+    for peer in peers:
+        peer.close()
 
     med = statistics.median
     rows = [
@@ -558,7 +549,9 @@ def run(args: argparse.Namespace, root: Path) -> int:
     print(f"sha256 on one core: {sha256_speed() / 1e9:.2f} GB/s; "
           f"blake3 on one core: {blake3_speed() / 1e9:.2f} GB/s")  # fmt: skip
     print()
-    print_peers(peer_rows, size=size, raw_write=write_floor, raw_read=read_floor)
+    print_peers(
+        peer_rows, size=size, raw_write=write_floor, raw_read=read_floor, training=med(plain)
+    )
     return 0
 
 
@@ -567,22 +560,13 @@ def peers_side_by_side(
     root: Path,
     state: TrainingState,
     manager: CheckpointManager,
+    peers: list[Peer],
     inputs: torch.Tensor,
     targets: torch.Tensor,
     say: Callable[[str], None],
 ) -> list[PeerFigures]:
     """Each peer and Tracks save (durable) and restore cold into the live state, per repeat."""
-
-    def forward_backward() -> None:
-        state.optimizer.zero_grad(set_to_none=True)
-        F.mse_loss(state.model(inputs), targets).backward()
-
-    def optimizer_step() -> None:
-        state.optimizer.step()
-        state.step += 1
-        state.data_cursor.position += 1  # type: ignore[attr-defined]
-
-    loop = Loop(forward_backward, optimizer_step)
+    loop = training_loop(state, inputs, targets)
     tracks_sync = PeerFigures("Tracks save / resume (verify every byte, restore, probe)")
     tracks_async = PeerFigures("Tracks save_async")
 
@@ -612,7 +596,6 @@ def peers_side_by_side(
         for directory in list((root / "run").glob("step-*")):
             shutil.rmtree(directory)
 
-    peers = all_peers()
     figures = {peer.name: PeerFigures(peer.name) for peer in peers}
 
     def peer_round(peer: Peer) -> Callable[[], None]:
@@ -633,13 +616,116 @@ def peers_side_by_side(
 
     sides = [tracks_round, *(peer_round(peer) for peer in peers)]
     for index in range(args.repeats):
-        shift = index % len(sides)
-        for side in sides[shift:] + sides[:shift]:
+        for side in _rotated(index, sides):
             side()
     for figure in (tracks_sync, tracks_async, *figures.values()):
         say(f"(e) {figure.name}: save {_fmt(figure.save)}; stall {_fmt(figure.stall)}"
             + (f"; restore {_fmt(figure.restore)}" if figure.restore else ""))  # fmt: skip
     return [tracks_sync, tracks_async, *figures.values()]
+
+
+def training_loop(state: TrainingState, inputs: torch.Tensor, targets: torch.Tensor) -> Loop:
+    """``train_step`` in its two halves, for peers whose save must finish staging in between."""
+
+    def forward_backward() -> None:
+        state.optimizer.zero_grad(set_to_none=True)
+        F.mse_loss(state.model(inputs), targets).backward()
+
+    def optimizer_step() -> None:
+        state.optimizer.step()
+        state.step += 1
+        state.data_cursor.position += 1  # type: ignore[attr-defined]
+
+    return Loop(forward_backward, optimizer_step)
+
+
+def training_side_by_side(
+    args: argparse.Namespace,
+    root: Path,
+    state: TrainingState,
+    manager: CheckpointManager,
+    peers: list[Peer],
+    rows: list[PeerFigures],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    say: Callable[[str], None],
+) -> list[float]:
+    """Steps per second over windows of 2 x save-every steps: without saving, and with a save
+    every save-every steps by Tracks (``save_async``, ``save``) and by each peer, appended to
+    ``rows`` (in ``peers_side_by_side``'s order). Returns the rates without saving.
+
+    Each window saves half-way through each save-every steps and waits at its end for its last
+    save to be durable, so every save's whole cost (stall and background work) falls inside
+    it. Every save goes to a folder of its own, deleted after the window, outside its time."""
+    window = 2 * args.save_every
+    loop = training_loop(state, inputs, targets)
+    tracks_sync, tracks_async, *peer_figures = rows
+    assert [peer.name for peer in peers] == [figure.name for figure in peer_figures]
+    plain: list[float] = []
+
+    def saves_at(index: int) -> bool:
+        return index % args.save_every == args.save_every // 2
+
+    def timed_window(loop_body: Callable[[], None], into: list[float]) -> Callable[[], None]:
+        def run_window() -> None:
+            settle()
+            seconds, _ = timed(loop_body)
+            into.append(window / seconds)
+            for directory in [*(root / "run").glob("step-*"), root / "window"]:
+                shutil.rmtree(directory, ignore_errors=True)
+
+        return run_window
+
+    def train_only() -> None:
+        for _ in range(window):
+            train_step(state, inputs, targets)
+
+    def tracks_save_async() -> None:
+        for index in range(window):
+            train_step(state, inputs, targets)  # waits in optimizer.step() for the copy
+            manager.poll()
+            if saves_at(index):
+                manager.save_async(state)
+        manager.wait()
+
+    def tracks_save() -> None:
+        for index in range(window):
+            train_step(state, inputs, targets)
+            if saves_at(index):
+                manager.save(state)
+
+    def peer_saves(peer: Peer) -> Callable[[], None]:
+        def train_and_save() -> None:
+            pending: PendingSave | None = None
+            (root / "window").mkdir()
+            for index in range(window):
+                loop.forward_backward()
+                if pending is not None:
+                    pending.staged()
+                loop.optimizer_step()
+                if saves_at(index):
+                    if pending is not None:
+                        pending.durable()  # one save at a time, as DCP's examples do
+                    pending = peer.start(state.model, state.optimizer, root / "window" / str(index))
+            if pending is not None:
+                pending.durable()
+
+        return train_and_save
+
+    sides = [
+        timed_window(train_only, plain),
+        timed_window(tracks_save_async, tracks_async.training),
+        timed_window(tracks_save, tracks_sync.training),
+        *(timed_window(peer_saves(peer), figure.training)
+          for peer, figure in zip(peers, peer_figures, strict=True)),
+    ]  # fmt: skip
+    for index in range(args.repeats):
+        for side in _rotated(index, sides):
+            side()
+    say(f"(d) without saves {_fmt(plain, 1, 'steps/s')}")
+    for figure in rows:
+        say(f"(d) {figure.name}: with saves {_fmt(figure.training, 1, 'steps/s')}")
+    return plain
 
 
 def drop_cache_tree(directory: Path) -> None:
@@ -658,13 +744,18 @@ def drop_cache_files(directory: Path) -> None:
                 os.close(fd)
 
 
-def print_peers(rows: list[PeerFigures], *, size: int, raw_write: float, raw_read: float) -> None:
-    """Seconds (median) and the share of the raw floor: size ÷ raw speed ÷ the time taken."""
+def print_peers(
+    rows: list[PeerFigures], *, size: int, raw_write: float, raw_read: float, training: float
+) -> None:
+    """Seconds (median) and the share of the raw floor: size ÷ raw speed ÷ the time taken;
+    training steps per second with saves ÷ ``training``, the rate without saving."""
     med = statistics.median
     write_floor, read_floor = size / raw_write, size / raw_read
     print(f"side by side, {size / 1e9:.3f} GB, median of {len(rows[0].save)} "
-          f"(floors: write+fsync {write_floor:.3f} s, cold read {read_floor:.3f} s)")  # fmt: skip
-    header = ("", "save s", "share of floor", "stall s", "restore s", "share of floor")
+          f"(floors: write+fsync {write_floor:.3f} s, cold read {read_floor:.3f} s; "
+          f"training without saves {training:.3f} steps/s)")  # fmt: skip
+    header = ("", "save s", "share of floor", "stall s", "restore s", "share of floor",
+              "training with saves ÷ without")  # fmt: skip
     table = [header]
     for row in rows:
         save, stall = med(row.save), med(row.stall)
@@ -673,6 +764,7 @@ def print_peers(rows: list[PeerFigures], *, size: int, raw_write: float, raw_rea
             row.name, f"{save:.3f}", f"{write_floor / save:.2f}", f"{stall:.3f}",
             f"{restore:.3f}" if restore else "-",
             f"{read_floor / restore:.2f}" if restore else "-",
+            f"{med(row.training) / training:.3f}",
         ))  # fmt: skip
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for row in table:
@@ -691,6 +783,13 @@ def sha256_speed() -> float:
     data = memoryview(bytearray(256 * 1024 * 1024))
     seconds, _ = timed(lambda: hashlib.sha256(data).digest())
     return len(data) / seconds
+
+
+def _rotated(index: int, sides: list[Callable[[], None]]) -> list[Callable[[], None]]:
+    """Repeat ``index`` starts one side later than the one before: no side always runs first,
+    or always right after the same neighbour's writeback."""
+    shift = index % len(sides)
+    return sides[shift:] + sides[:shift]
 
 
 def _abba(index: int, first: Callable[[], None], second: Callable[[], None]) -> list:

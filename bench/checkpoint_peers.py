@@ -13,6 +13,10 @@ model and optimizer, the way its own documentation does it:
 
 No peer verifies what it reads against a digest: Tracks' restore does (every byte, plus the
 probe batch in ``resume``), so a peer's restore is a floor Tracks has to meet with more work.
+
+A save is started with ``start`` and returns a ``PendingSave``, so that a training loop can run
+beside an asynchronous one the way its documentation asks: the next ``optimizer.step()`` only
+after ``staged()``, the next save only after ``durable()`` of the one before.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -41,14 +46,30 @@ class Loop:
     optimizer_step: Callable[[], None]
 
 
+def _nothing() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class PendingSave:
+    """A save in progress: ``staged`` returns once the live state may change again (its bytes
+    are copied), ``durable`` once the save is on disk. A synchronous save is both on return."""
+
+    staged: Callable[[], None] = _nothing
+    durable: Callable[[], None] = _nothing
+    synchronous: bool = True
+
+
 @dataclass
 class PeerFigures:
-    """Seconds per repeat: a durable save, the loop's stall (async peers) and a cold restore."""
+    """Per repeat: seconds of a durable save, of the loop's stall (async peers) and of a cold
+    restore; training steps per second with a save every ``--save-every`` steps."""
 
     name: str
     save: list[float] = field(default_factory=list)
     stall: list[float] = field(default_factory=list)
     restore: list[float] = field(default_factory=list)
+    training: list[float] = field(default_factory=list)
 
 
 def _fsync_tree(directory: Path) -> None:
@@ -72,15 +93,31 @@ class Peer:
         run its next forward/backward, and its ``optimizer_step`` wait for staging.
         """
         began = time.perf_counter()
+        pending = self.start(model, optimizer, target)
+        stall = time.perf_counter() - began
+        if pending.synchronous:
+            return stall, stall
+        loop.forward_backward()
+        waited_from = time.perf_counter()
+        pending.staged()  # the parameters may not change before this
+        stall += time.perf_counter() - waited_from
+        loop.optimizer_step()
+        pending.durable()
+        return stall, time.perf_counter() - began
+
+    def start(self, model: Module, optimizer: Optimizer, target: Path) -> PendingSave:
+        """Begin a durable save into ``target``; a synchronous peer finishes it here."""
         self.write(model, optimizer, target)
-        seconds = time.perf_counter() - began
-        return seconds, seconds
+        return PendingSave()
 
     def write(self, model: Module, optimizer: Optimizer, target: Path) -> None:
         raise NotImplementedError
 
     def restore(self, model: Module, optimizer: Optimizer, target: Path) -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the peer keeps between saves (DCP's stager and its buffers)."""
 
 
 class TorchSave(Peer):
@@ -149,40 +186,39 @@ class DcpSave(Peer):
 class DcpAsyncSave(DcpSave):
     """``dcp.async_save``: the loop is stalled until the state is staged (default: a copy on
     the calling thread; with ``async_staging``: until the stager's copy completes, which the
-    next step's forward/backward may overlap, as Tracks' own copy does)."""
+    next step's forward/backward may overlap, as Tracks' own copy does).
+
+    With async staging, one ``DefaultStager`` serves every save, as in a training loop: it
+    keeps its staging memory between saves (as Tracks keeps its host buffers), so only the
+    first save allocates."""
 
     def __init__(self, async_staging: bool) -> None:
         self.async_staging = async_staging
         self.name = "DCP async_save" + (" (DefaultStager, async staging)" if async_staging else "")
+        self._stager: Any = None
 
-    def save(
-        self, model: Module, optimizer: Optimizer, target: Path, loop: Loop
-    ) -> tuple[float, float]:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        began = time.perf_counter()
+    def start(self, model: Module, optimizer: Optimizer, target: Path) -> PendingSave:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         if not self.async_staging:
             future = dcp.async_save(state, checkpoint_id=target)
-            stall = time.perf_counter() - began
-            loop.forward_backward()
-            loop.optimizer_step()
-            future.result()
-            return stall, time.perf_counter() - began
-        # On CPU: pinned and shared memory serve device copies and process checkpointers.
-        stager = DefaultStager(StagingOptions(False, False, True, False))
-        response = dcp.async_save(state, checkpoint_id=target, async_stager=stager)
-        stall = time.perf_counter() - began
-        loop.forward_backward()  # overlaps the stager's copy
-        waited_from = time.perf_counter()
-        response.staging_completion.result()  # the parameters may not change before this
-        stall += time.perf_counter() - waited_from
-        loop.optimizer_step()
-        response.upload_completion.result()
-        total = time.perf_counter() - began
-        stager.close()
-        return stall, total
+            return PendingSave(durable=future.result, synchronous=False)
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # On CPU: pinned and shared memory serve device copies and process checkpointers.
+            self._stager = DefaultStager(StagingOptions(False, False, True, False))
+        response = dcp.async_save(state, checkpoint_id=target, async_stager=self._stager)
+        return PendingSave(
+            staged=response.staging_completion.result,
+            durable=response.upload_completion.result,
+            synchronous=False,
+        )
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
 
 def all_peers() -> list[Peer]:
