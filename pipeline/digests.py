@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,6 +30,14 @@ class Hasher(Protocol):
     def update(self, data: bytes | memoryview, /) -> object: ...
 
     def hexdigest(self) -> str: ...
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def new_hasher(algorithm: DigestAlgorithm, *, threads: int = 1) -> Hasher:

@@ -680,14 +680,14 @@ def test_resume_runs_the_probe_pass_once_while_the_optimizer_state_is_still_read
     optimizer_read = threading.Event()
     real_read = checkpoint_verify.read_verified_into
 
-    def slow_optimizer(directory: Path, listed: ListedFile, into: dict) -> object:
+    def slow_optimizer(directory: Path, listed: ListedFile, into: dict, **kw: int) -> object:
         if listed.name == OPTIMIZER_FILE:
             time.sleep(0.5)  # a large optimizer state on a slow disk
             try:
-                return real_read(directory, listed, into)
+                return real_read(directory, listed, into, **kw)
             finally:
                 optimizer_read.set()
-        return real_read(directory, listed, into)
+        return real_read(directory, listed, into, **kw)
 
     passes: list[bool] = []
     real_logits = manager_module.probe_logits

@@ -10,7 +10,9 @@ import errno
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -204,6 +206,53 @@ def test_sync_and_async_saves_write_identical_bytes(tmp_path: Path) -> None:
     (asynchronous,) = checkpoint_dirs(manager.run_dir)
     for name in (MODEL_FILE, OPTIMIZER_FILE, "probe.safetensors"):
         assert (sync / name).read_bytes() == (asynchronous / name).read_bytes(), name
+    # Hashed on every core and on one: the same digests.
+    digests = [
+        {f["name"]: f["digest"] for f in json.loads((path / MANIFEST_FILE).read_text())["files"]}
+        for path in (sync, asynchronous)
+    ]
+    assert digests[0] == digests[1]
+
+
+def test_a_synchronous_save_writes_the_live_tensors_and_hashes_on_every_core(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save the training loop waits for copies nothing and may use every core; a save in
+    the background hashes on one core, beside the training loop, and resume on every core."""
+    from pipeline.checkpoint import verify as verify_module
+    from pipeline.checkpoint import writer as writer_module
+
+    threads: list[tuple[str, int]] = []
+
+    def counted(module: Any) -> Callable[..., Any]:
+        real, where = module.new_hasher, module.__name__.rsplit(".", 1)[1]
+
+        def new_hasher(algorithm: Any, *, threads_: int = 1) -> Any:
+            threads.append((where, threads_))
+            return real(algorithm, threads=threads_)
+
+        return lambda algorithm, *, threads=1: new_hasher(algorithm, threads_=threads)
+
+    for module in (writer_module, verify_module):
+        monkeypatch.setattr(module, "new_hasher", counted(module))
+    monkeypatch.setattr(manager_module, "usable_cores", lambda: 3)
+    data = _data()
+    state = _state(data)
+    _steps(state, data, 3)
+    manager = _manager(tmp_path)
+    manager.save(state)
+    assert manager._buffers.nbytes == 0  # nothing staged: the live tensors were written
+    assert {n for where, n in threads if where == "writer"} == {3}
+    threads.clear()
+    _steps(state, data, 1)
+    manager.save_async(state)
+    manager.wait()
+    assert manager._buffers.nbytes > 0
+    assert {n for where, n in threads if where == "writer"} == {1}
+    threads.clear()
+    _manager(tmp_path, attempt=2).resume(_state(data, seed=5))
+    # The tensor files on every core (a small JSON file read on its own may use one).
+    assert [n for where, n in threads if where == "verify"].count(3) >= 2
 
 
 # -- tensor files -------------------------------------------------------------------------------
@@ -414,7 +463,7 @@ def _slow_background_copy(monkeypatch: pytest.MonkeyPatch, seconds: float) -> li
     """Delay the copy of parameters and optimizer state; returns the threads that ran it."""
     from pipeline.checkpoint.state import CapturedCheckpoint
 
-    real = CapturedCheckpoint.finish
+    real = CapturedCheckpoint.enqueue
     threads: list[str] = []
 
     def slow(self: CapturedCheckpoint) -> object:
@@ -423,7 +472,7 @@ def _slow_background_copy(monkeypatch: pytest.MonkeyPatch, seconds: float) -> li
             time.sleep(seconds)
         return real(self)
 
-    monkeypatch.setattr(CapturedCheckpoint, "finish", slow)
+    monkeypatch.setattr(CapturedCheckpoint, "enqueue", slow)
     return threads
 
 

@@ -13,6 +13,15 @@ change only inside ``optimizer.step()``: forward and backward read them and writ
 So their copy may run beside the next forward/backward, provided ``optimizer.step()`` waits
 for it; :class:`~pipeline.checkpoint.manager.CheckpointManager` enforces that with an
 optimizer step pre-hook. This is the overlap DataStates-LLM calls lazy snapshotting.
+
+On a GPU no copy makes the host wait for the device. The capture enqueues its device-to-host
+copies into pinned buffers on the training thread's current stream (``non_blocking``), which
+orders them before the next forward's kernels, and records an event there: everything up to
+the last ``optimizer.step()`` is then on its way. The writer thread makes a side stream of its
+own wait for that event and copies the parameters and optimizer state on it, into pinned
+buffers, and records a second event. ``optimizer.step()`` makes the training stream wait for
+that event (the GPU waits, the host does not); the writer waits for both events before it
+hashes a byte (:class:`DeviceCopies`).
 """
 
 from __future__ import annotations
@@ -134,33 +143,89 @@ class StagedCheckpoint:
     probe_pending: bool = False
 
 
+class DeviceCopies:
+    """Device-to-host copies still in flight: a CUDA event after the last copy on each stream.
+
+    Empty for a model on CPU, whose copies are done when ``copy_`` returns; then every method
+    returns at once.
+    """
+
+    def __init__(self) -> None:
+        self._events: list[tuple[torch.device, Any]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._events)
+
+    def record(self, device: torch.device, stream: Any) -> Any:
+        """Mark the copies enqueued on ``stream`` so far; returns the event."""
+        # Blocking: a thread that waits for it sleeps instead of spinning on a core that the
+        # training loop may need.
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
+        self._events.append((device, event))
+        return event
+
+    def event_on(self, device: torch.device) -> Any | None:
+        return next((event for at, event in self._events if at == device), None)
+
+    def extend(self, other: DeviceCopies) -> None:
+        self._events.extend(other._events)
+
+    def order_current_streams(self) -> None:
+        """Make this thread's current stream on each device wait for the copies, on the GPU:
+        kernels enqueued from now on run after them; the host does not wait."""
+        for device, event in self._events:
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def synchronize(self) -> None:
+        """Block this thread until every copy has landed in host memory."""
+        for _, event in self._events:
+            event.synchronize()
+
+
 class StagingBuffers:
     """Host tensors reused from save to save: staging is a ``copy_`` into memory already there.
 
     Allocating (and first touching) a gigabyte of host memory costs far more than copying into
     it, so buffers are kept by key and reused while shape and dtype stay the same. Buffers for
-    tensors that live on a GPU are pinned, so the device-to-host copy runs at full speed. The
-    owner must not stage again while a writer still reads the previous staged copy.
+    tensors that live on a GPU are pinned, so the device-to-host copy runs at full speed and
+    without making the host wait. The owner must not stage again while a writer still reads
+    the previous staged copy.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._streams: dict[torch.device, Any] = {}
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor``'s values in this key's host buffer (allocated on first use)."""
+    def copy(self, key: str, tensor: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
+        """``tensor``'s values in this key's host buffer (allocated on first use).
+
+        With ``non_blocking``, a GPU tensor's copy is only enqueued on the current stream: its
+        values are in host memory once an event recorded after it has completed. Otherwise
+        (and always for a CPU tensor) they are there when this returns.
+        """
         tensor = tensor.detach()
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             pin = tensor.device.type == "cuda" and torch.cuda.is_available()
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
             self._buffers[key] = buffer
-        # Synchronous on purpose: when this returns, the values are in host memory.
-        buffer.copy_(tensor)
+        # Into pageable memory a device copy is synchronous whatever it is asked.
+        on_device = tensor.device.type == "cuda"
+        buffer.copy_(tensor, non_blocking=non_blocking and on_device and buffer.is_pinned())
         return buffer
+
+    def side_stream(self, device: torch.device) -> Any:
+        """The stream this owner's background copies from ``device`` run on (one per device,
+        kept: creating streams per save would leak them to the driver)."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
 
 
 def stage_checkpoint(
@@ -200,18 +265,54 @@ class CapturedCheckpoint:
     staged: StagedCheckpoint
     pending: dict[str, torch.Tensor]
     buffers: StagingBuffers | None
+    # The capture's own device copies, and the point on each training stream where every
+    # kernel up to the last optimizer.step() was enqueued (one event serves both).
+    copies: DeviceCopies = field(default_factory=DeviceCopies)
 
     def finish(self) -> StagedCheckpoint:
         """Copy the pending tensors to host memory: the staged checkpoint, aliasing nothing live.
 
         May run on another thread, but must be done before the live tensors next change.
         """
+        staged, copies = self.enqueue()
+        copies.synchronize()
+        return staged
+
+    def enqueue(self) -> tuple[StagedCheckpoint, DeviceCopies]:
+        """Copy the pending tensors to host memory, a GPU's on a side stream without waiting:
+        the staged checkpoint is complete once the returned copies are synchronized.
+
+        The live tensors may change once the copies are ordered before the change, which
+        :meth:`DeviceCopies.order_current_streams` does on the thread that changes them.
+        """
+        copies = DeviceCopies()
+        copies.extend(self.copies)
         if not self.pending:
-            return self.staged
-        copies = {k: _host_copy(self.buffers, k, t) for k, t in self.pending.items()}
-        model = {k: copies.get(f"model.{k}", v) for k, v in self.staged.model.items()}
-        training = {k: copies.get(k, v) for k, v in self.staged.training_tensors.items()}
-        return dataclasses.replace(self.staged, model=model, training_tensors=training)
+            return self.staged, copies
+        host: dict[str, torch.Tensor] = {}
+        on_device: dict[torch.device, dict[str, torch.Tensor]] = {}
+        for key, tensor in self.pending.items():
+            if tensor.device.type == "cuda" and self.buffers is not None:
+                on_device.setdefault(tensor.device, {})[key] = tensor
+            else:
+                host[key] = _host_copy(self.buffers, key, tensor)
+        for device, tensors in on_device.items():
+            assert self.buffers is not None
+            stream = self.buffers.side_stream(device)
+            ready = self.copies.event_on(device)
+            if ready is not None:  # after every kernel the capture saw enqueued
+                stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                for key, tensor in tensors.items():
+                    host[key] = self.buffers.copy(key, tensor, non_blocking=True)
+                    # The caching allocator must not hand this memory to another stream
+                    # before the copy has read it.
+                    tensor.record_stream(stream)
+            copies.record(device, stream)
+        model = {k: host.get(f"model.{k}", v) for k, v in self.staged.model.items()}
+        training = {k: host.get(k, v) for k, v in self.staged.training_tensors.items()}
+        staged = dataclasses.replace(self.staged, model=model, training_tensors=training)
+        return staged, copies
 
 
 def capture_checkpoint(
@@ -223,21 +324,30 @@ def capture_checkpoint(
     buffers: StagingBuffers | None = None,
     run_probe: bool = True,
     defer_stable: bool = False,
+    alias_cpu: bool = False,
 ) -> CapturedCheckpoint:
     """Stage what forward/backward may change; with ``defer_stable``, leave the rest pending.
 
-    Without ``defer_stable`` nothing is pending: the capture is the whole staging.
+    Without ``defer_stable`` nothing is pending: the capture is the whole staging. With
+    ``alias_cpu``, contiguous CPU tensors are not copied at all: the staged checkpoint holds
+    the live tensors themselves, for a save that is written before the caller runs again.
     """
     stable: set[int] = set()
     if defer_stable:
         stable = {p.data_ptr() for p in state.model.parameters()}
     pending: dict[str, torch.Tensor] = {}
+    devices: set[torch.device] = set()
 
     def host(key: str, tensor: torch.Tensor, *, later: bool) -> torch.Tensor:
+        if alias_cpu and tensor.device.type == "cpu" and tensor.is_contiguous():
+            return tensor.detach()
+        if tensor.device.type == "cuda" and buffers is not None:
+            devices.add(tensor.device)
         if later:
             pending[key] = tensor.detach()
             return pending[key]
-        return _host_copy(buffers, key, tensor)
+        # Enqueued on the training stream: ordered before the next forward's kernels.
+        return _host_copy(buffers, key, tensor, non_blocking=True)
 
     model_tensors = {
         k: host(f"model.{k}", v, later=v.data_ptr() in stable)
@@ -253,6 +363,13 @@ def capture_checkpoint(
         training_tensors.update({k: host(k, v, later=later) for k, v in tensors.items()})
     probe_inputs = _to_host(state.probe_inputs)
     logits = probe_logits(state.model, probe_inputs) if run_probe else torch.empty(0)
+    if logits.device.type == "cuda" and buffers is not None:
+        logits = host("probe.logits", logits.contiguous(), later=False)
+    else:
+        logits = _to_host(logits)
+    copies = DeviceCopies()
+    for device in sorted(devices, key=str):
+        copies.record(device, torch.cuda.current_stream(device))
     trainer_state = {
         "format_version": STATE_FORMAT_VERSION,
         "run_id": run_id,
@@ -270,16 +387,20 @@ def capture_checkpoint(
         model=model_tensors,
         training_tensors=training_tensors,
         trainer_state=trainer_state,
-        probe={"inputs": probe_inputs, "logits": _to_host(logits)},
+        probe={"inputs": probe_inputs, "logits": logits},
         probe_device=str(next(state.model.parameters()).device),
         metrics=dict(metrics or {}),
         probe_pending=not run_probe,
     )
-    return CapturedCheckpoint(staged=staged, pending=pending, buffers=buffers)
+    return CapturedCheckpoint(staged=staged, pending=pending, buffers=buffers, copies=copies)
 
 
-def _host_copy(buffers: StagingBuffers | None, key: str, tensor: torch.Tensor) -> torch.Tensor:
-    return buffers.copy(key, tensor) if buffers is not None else _to_host(tensor)
+def _host_copy(
+    buffers: StagingBuffers | None, key: str, tensor: torch.Tensor, *, non_blocking: bool = False
+) -> torch.Tensor:
+    if buffers is None:
+        return _to_host(tensor)
+    return buffers.copy(key, tensor, non_blocking=non_blocking)
 
 
 def live_tensors(state: TrainingState) -> dict[str, dict[str, torch.Tensor]]:

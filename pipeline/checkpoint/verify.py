@@ -336,6 +336,7 @@ def load_checkpoint(
     *,
     into: dict[str, dict[str, torch.Tensor]] | None = None,
     on_model: Callable[[dict[str, torch.Tensor]], object] | None = None,
+    hash_threads: int = 1,
 ) -> CheckpointContents:
     """Verify, then read every file (safetensors and JSON, never pickle).
 
@@ -354,6 +355,9 @@ def load_checkpoint(
     model.safetensors has been read and verified wholly into ``into`` (the live model then
     holds the checkpoint's weights) and probe.safetensors verified, while the other files are
     still being read: ``resume`` runs the probe batch there. Not called otherwise.
+
+    ``hash_threads`` > 1 lets one block's BLAKE3 run on that many cores: for a restore that
+    nothing else runs beside (once the first file is read, the second is hashed alone).
     """
     info, listed = _verify_layout(directory)
     if info.format == SHARDED_FORMAT:
@@ -370,8 +374,8 @@ def load_checkpoint(
 
     def read(name: str) -> torch.Tensor | ParsedInPlace:
         if into.get(name):
-            return read_verified_into(info.path, listed[name], into[name])
-        return read_verified(info.path, listed[name])
+            return read_verified_into(info.path, listed[name], into[name], threads=hash_threads)
+        return read_verified(info.path, listed[name], threads=hash_threads)
 
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-read") as pool:
         futures = {name: pool.submit(read, name) for name in wanted}
@@ -478,7 +482,11 @@ class ParsedInPlace:
 
 
 def read_verified_into(
-    directory: Path, listed: ListedFile, destinations: dict[str, torch.Tensor]
+    directory: Path,
+    listed: ListedFile,
+    destinations: dict[str, torch.Tensor],
+    *,
+    threads: int = 1,
 ) -> ParsedInPlace:
     """Read a safetensors file once, each tensor straight into ``destinations[name]`` when that
     is a contiguous CPU tensor of the same dtype and shape, the rest into one fresh buffer;
@@ -491,7 +499,7 @@ def read_verified_into(
     which verifies the digest before anything is parsed and says what is wrong.
     """
     name, size = listed.name, listed.size
-    digest = new_hasher(listed.algorithm)
+    digest = new_hasher(listed.algorithm, threads=threads)
     head = bytearray()
     data_at = -1  # where the data section starts, once the header's length is known
     entries: list[TensorEntry] = []
@@ -540,7 +548,7 @@ def read_verified_into(
         ) from exc
     except TensorFileError:
         # Not a header this reader can place bytes by: read it whole, verify, then say why.
-        buffer = read_verified(directory, listed)
+        buffer = read_verified(directory, listed, threads=threads)
         try:
             tensors, metadata = parse_safetensors(buffer)
         except TensorFileError as exc:
@@ -634,7 +642,7 @@ def _plan(
     return plan
 
 
-def read_verified(directory: Path, listed: ListedFile) -> torch.Tensor:
+def read_verified(directory: Path, listed: ListedFile, *, threads: int = 1) -> torch.Tensor:
     """The bytes of ``directory/listed.name`` as a uint8 tensor, after checking size and digest.
 
     One read, hashed block by block as it arrives (:class:`BlockReader` reads ahead), so
@@ -642,7 +650,7 @@ def read_verified(directory: Path, listed: ListedFile) -> torch.Tensor:
     """
     name, size = listed.name, listed.size
     buffer = torch.empty(size, dtype=torch.uint8)
-    digest = new_hasher(listed.algorithm)
+    digest = new_hasher(listed.algorithm, threads=threads)
     got = 0
     try:
         with _blocks(directory / name, size) as blocks:

@@ -112,14 +112,16 @@ def write_checkpoint_files(
     run_id: str,
     attempt_no: int,
     hash_workers: int = 1,
+    hash_threads: int = 1,
 ) -> WrittenCheckpoint:
     """Write and fsync every file, then MANIFEST.json (name, size, digest of each file).
 
     With ``hash_workers`` 0 (the default) each file is hashed on this thread, slice by slice,
     right before the slice is written: cache-hot, and never two busy threads beside a training
-    loop on a small machine. ``hash_workers`` >= 1 threads hash the large files while this
-    thread writes them (for machines with cores to spare). An OSError is re-raised naming the
-    file it happened to, with its errno (ENOSPC stays ENOSPC).
+    loop on a small machine; each slice's BLAKE3 then runs on up to ``hash_threads`` cores (for
+    a save the training loop waits for: nothing else needs them). ``hash_workers`` >= 1 threads
+    hash the large files while this thread writes them (for machines with cores to spare). An
+    OSError is re-raised naming the file it happened to, with its errno (ENOSPC stays ENOSPC).
     """
     try:
         directory.mkdir(parents=True, exist_ok=False)
@@ -132,7 +134,7 @@ def write_checkpoint_files(
     try:
         for name, chunks in contents.items():
             halfway = _fault_halfway(staged.step) if name == OPTIMIZER_FILE else None
-            digest = inline[name] = new_hasher(FILE_DIGEST)
+            digest = inline[name] = new_hasher(FILE_DIGEST, threads=hash_threads)
             size = write_chunks_durably(
                 directory / name, chunks, halfway=halfway, digest=None if digests else digest
             )

@@ -1,0 +1,143 @@
+"""Async saves of a model on a GPU: pinned buffers, a side stream, events and no host wait.
+
+These run only where CUDA is: CI has no GPU, and nothing else in the suite depends on one. On a
+GPU they check what the CPU tests cannot: that the parameters and optimizer state are copied on
+a side stream after the last ``optimizer.step()`` (an event orders it), that the next
+``optimizer.step()`` waits for those copies on the device while the host goes on, and that the
+checkpoint holds the state of its step, not a later one.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.checkpoint import TrainingState, checkpoint_dirs, load_checkpoint
+from pipeline.checkpoint.codec import encode_state
+from pipeline.checkpoint.state import StagingBuffers
+from tests.test_checkpoint import _manager
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)"
+)
+
+
+class _Cursor:
+    def state_dict(self) -> dict[str, int]:
+        return {"position": 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+def _cuda_state() -> TrainingState:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    ).cuda()
+    return TrainingState(
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+        data_cursor=_Cursor(),
+        config={"test": "cuda"},
+        config_sha256="e" * 64,
+        probe_inputs=torch.randn(4, 512),
+    )
+
+
+def _step(state: TrainingState) -> None:
+    """One step with no host synchronization in it (no ``.item()``)."""
+    inputs = torch.randn(64, 512, device="cuda")
+    labels = torch.randint(0, 10, (64,), device="cuda")
+    state.optimizer.zero_grad(set_to_none=True)
+    F.cross_entropy(state.model(inputs), labels).backward()
+    state.optimizer.step()
+    state.step += 1
+
+
+def _snapshot(state: TrainingState) -> dict[str, torch.Tensor]:
+    """The state as the checkpoint names it, cloned on the training stream (in its order)."""
+    tensors = {k: v.detach().clone() for k, v in state.model.state_dict().items()}
+    _, training = encode_state(state.optimizer.state_dict(), "optimizer")
+    return {**tensors, **{k: v.clone() for k, v in training.items()}}
+
+
+def _assert_holds(path: Path, expected: dict[str, torch.Tensor]) -> None:
+    contents = load_checkpoint(path)
+    saved = {**contents.model, **contents.training_tensors}
+    assert saved.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(saved[key], tensor.cpu()), key
+
+
+def test_async_save_of_a_gpu_model_copies_on_a_side_stream_into_pinned_buffers(
+    tmp_path: Path,
+) -> None:
+    state = _cuda_state()
+    manager = _manager(tmp_path)
+    _step(state)
+    manager.save_async(state)  # the first save stages everything on the training thread
+    manager.wait()
+    for _ in range(3):
+        _step(state)
+        expected = _snapshot(state)
+        manager.save_async(state)
+        _step(state)
+        _step(state)
+        manager.wait()
+        _assert_holds(checkpoint_dirs(manager.run_dir)[0], expected)
+    buffers = manager._buffers._buffers
+    assert buffers and all(buffer.is_pinned() for buffer in buffers.values())
+    assert list(manager._buffers._streams) == [torch.device("cuda", 0)]
+
+
+def _sleep_cycles_for(seconds: float) -> int:
+    """GPU spin cycles that take about ``seconds`` on this device."""
+    cycles = 50_000_000
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    return int(cycles * seconds / (time.perf_counter() - began))
+
+
+def test_optimizer_step_waits_for_the_copies_on_the_gpu_while_the_host_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = _cuda_state()
+    manager = _manager(tmp_path)
+    _step(state)
+    manager.save_async(state)
+    manager.wait()
+    # The side stream is held back 1 s on the device before its copies: a step that waited
+    # on the host would take that long; one ordered by events returns at once, and its
+    # kernels run after the copies, so the checkpoint still holds the step it was taken at.
+    cycles = _sleep_cycles_for(1.0)
+    side_stream = StagingBuffers.side_stream
+
+    def held_back(self: StagingBuffers, device: torch.device) -> torch.cuda.Stream:
+        stream = side_stream(self, device)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(cycles)
+        return stream
+
+    monkeypatch.setattr(StagingBuffers, "side_stream", held_back)
+    _step(state)
+    expected = _snapshot(state)
+    torch.cuda.synchronize()
+    manager.save_async(state)
+    began = time.perf_counter()
+    _step(state)  # its optimizer.step() waits for the copies
+    _step(state)
+    host_seconds = time.perf_counter() - began
+    assert manager.last_stall is not None
+    staging_wait = manager.last_stall.staging_wait
+    manager.wait()
+    assert host_seconds < 0.5, f"the host waited {host_seconds:.2f} s for a held-back copy"
+    assert staging_wait < 0.5
+    _assert_holds(checkpoint_dirs(manager.run_dir)[0], expected)
+    assert not all(torch.equal(v, expected[k]) for k, v in _snapshot(state).items())
