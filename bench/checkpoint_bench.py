@@ -51,6 +51,7 @@ average is printed: on a shared machine it matters.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import platform
@@ -136,12 +137,26 @@ def build_state() -> TrainingState:
     )
 
 
-def train_step(state: TrainingState, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+def forward_backward(state: TrainingState, inputs: torch.Tensor, targets: torch.Tensor) -> None:
     state.optimizer.zero_grad(set_to_none=True)
     F.mse_loss(state.model(inputs), targets).backward()
+
+
+def optimizer_step(state: TrainingState) -> None:
     state.optimizer.step()
     state.step += 1
     state.data_cursor.position += 1  # type: ignore[attr-defined]
+
+
+def train_step(state: TrainingState, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    forward_backward(state, inputs, targets)
+    optimizer_step(state)
+
+
+def remove_checkpoints(root: Path) -> None:
+    """Delete the bench run's checkpoints (between timed saves, outside their time)."""
+    for directory in list((root / "run").glob("step-*")):
+        shutil.rmtree(directory)
 
 
 def state_bytes(state: TrainingState) -> int:
@@ -345,16 +360,12 @@ def run(args: argparse.Namespace, root: Path) -> int:
     )
     manager.bind_attempt(1, None)
 
-    def fresh_dirs() -> None:
-        for directory in list((root / "run").glob("step-*")):
-            shutil.rmtree(directory)
-
     # The first save allocates (and first touches) the staging buffers: once per process.
     first_stall, _ = timed(lambda: manager.save_async(state))
     manager.wait()
     say(f"first save: {first_stall:.3f} s stall (allocating {manager._buffers.nbytes / 1e9:.2f} GB")
     say("of staging buffers, once per process)")
-    fresh_dirs()
+    remove_checkpoints(root)
 
     # (a) stall per save vs torch.save + fsync, interleaved ABBA.
     stalls, torch_saves, slower = [], [], []
@@ -368,7 +379,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
         stalls.append(manager.last_stall.total)
         slower.append(after - statistics.median(plain))
         manager.wait()
-        fresh_dirs()
+        remove_checkpoints(root)
 
     def torch_save() -> None:
         target = root / "torch.pt"
@@ -408,7 +419,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
             settle()
             seconds, info = timed(lambda: manager.write_and_commit(staged))
             ours_b.append(info.size_bytes / seconds)
-            fresh_dirs()
+            remove_checkpoints(root)
 
         def plain_write(files: Any = files, images: Any = images) -> None:
             settle()
@@ -484,7 +495,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
         f"O_DIRECT {_fmt(direct_c, 1e-9, 'GB/s')}; "
         f"into fresh memory {_fmt(fresh_c, 1e-9, 'GB/s')}")  # fmt: skip
     read_floor = max(statistics.median(raw_c), statistics.median(direct_c))
-    fresh_dirs()
+    remove_checkpoints(root)
 
     # (e) the peers and Tracks' own save/resume on the same state, in a rotated order.
     peers = all_peers()
@@ -593,8 +604,7 @@ def peers_side_by_side(
         tracks_async.save.append(time.perf_counter() - began)
         assert manager.last_stall is not None
         tracks_async.stall.append(manager.last_stall.total)
-        for directory in list((root / "run").glob("step-*")):
-            shutil.rmtree(directory)
+        remove_checkpoints(root)
 
     figures = {peer.name: PeerFigures(peer.name) for peer in peers}
 
@@ -626,17 +636,10 @@ def peers_side_by_side(
 
 def training_loop(state: TrainingState, inputs: torch.Tensor, targets: torch.Tensor) -> Loop:
     """``train_step`` in its two halves, for peers whose save must finish staging in between."""
-
-    def forward_backward() -> None:
-        state.optimizer.zero_grad(set_to_none=True)
-        F.mse_loss(state.model(inputs), targets).backward()
-
-    def optimizer_step() -> None:
-        state.optimizer.step()
-        state.step += 1
-        state.data_cursor.position += 1  # type: ignore[attr-defined]
-
-    return Loop(forward_backward, optimizer_step)
+    return Loop(
+        functools.partial(forward_backward, state, inputs, targets),
+        functools.partial(optimizer_step, state),
+    )
 
 
 def training_side_by_side(
@@ -671,8 +674,8 @@ def training_side_by_side(
             settle()
             seconds, _ = timed(loop_body)
             into.append(window / seconds)
-            for directory in [*(root / "run").glob("step-*"), root / "window"]:
-                shutil.rmtree(directory, ignore_errors=True)
+            remove_checkpoints(root)
+            shutil.rmtree(root / "window", ignore_errors=True)  # a peer's saves
 
         return run_window
 

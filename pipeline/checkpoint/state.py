@@ -156,14 +156,13 @@ class DeviceCopies:
     def __bool__(self) -> bool:
         return bool(self._events)
 
-    def record(self, device: torch.device, stream: Any) -> Any:
-        """Mark the copies enqueued on ``stream`` so far; returns the event."""
+    def record(self, device: torch.device, stream: Any) -> None:
+        """Mark the copies enqueued on ``stream`` so far."""
         # Blocking: a thread that waits for it sleeps instead of spinning on a core that the
         # training loop may need.
         event = torch.cuda.Event(blocking=True)
         event.record(stream)
         self._events.append((device, event))
-        return event
 
     def event_on(self, device: torch.device) -> Any | None:
         return next((event for at, event in self._events if at == device), None)
