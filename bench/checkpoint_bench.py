@@ -317,11 +317,14 @@ def machine() -> list[str]:
 
 
 def filesystem(directory: Path) -> str:
-    done = subprocess.run(
-        ["findmnt", "-n", "-o", "SOURCE,FSTYPE,OPTIONS", "--target", str(directory)],
-        capture_output=True,
-        text=True,
-    )
+    try:
+        done = subprocess.run(
+            ["findmnt", "-n", "-o", "SOURCE,FSTYPE,OPTIONS", "--target", str(directory)],
+            capture_output=True,
+            text=True,
+        )
+    except OSError:  # no findmnt on this machine
+        return f"{directory}: unknown filesystem"
     return f"{directory}: {done.stdout.strip() or 'unknown filesystem'}"
 
 

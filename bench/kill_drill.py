@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/kill_drill.py --kills 500 --seed 0     # the documented run
     .venv/bin/python bench/kill_drill.py --kills 60 --seed 1      # a quick one
+    python bench/kill_drill.py --kills 40 --device cuda            # on a GPU, where one is
 
 One uninterrupted reference run (``python -m pipeline.trainer``, a fresh interpreter) gives the
 loss at every step and the final model.safetensors. Then runs of the same config are trained
@@ -131,8 +132,12 @@ class ForkServer:
     """Forks trainer processes from an interpreter that imported the trainer once."""
 
     def __init__(self) -> None:
+        # A CUDA check through the runtime would initialize the driver in the zygote, and a
+        # forked child could then not use CUDA at all; NVML's check leaves it untouched.
+        env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         self._process = subprocess.Popen(
             [sys.executable, "-c", _ZYGOTE],
+            env=env,
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -266,12 +271,13 @@ def run_reference(config: Path, store: Path, run_id: str = "reference") -> Refer
     import yaml
 
     store.mkdir(parents=True, exist_ok=True)
-    log = store / f"{run_id}.log"
-    with open(log, "w") as stdout:
+    log, err = store / f"{run_id}.log", store / f"{run_id}.err"
+    # stderr to a file: a pipe nobody reads while polling can fill and stall the trainer.
+    with open(log, "w") as stdout, open(err, "w") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "pipeline.trainer", "--config", str(config),
              "--run-id", run_id, "--store", str(store)],
-            cwd=REPO, stdout=stdout, stderr=subprocess.PIPE, text=True,
+            cwd=REPO, stdout=stdout, stderr=stderr, text=True,
         )  # fmt: skip
         started = None
         while process.poll() is None:
@@ -280,7 +286,8 @@ def run_reference(config: Path, store: Path, run_id: str = "reference") -> Refer
             time.sleep(0.005)
     finished = time.monotonic()
     if process.returncode != 0:
-        raise RuntimeError(f"reference run failed ({process.returncode}): {process.stderr}")
+        said = "\n".join([*log.read_text().splitlines()[-5:], *err.read_text().splitlines()[-20:]])
+        raise RuntimeError(f"reference run failed (exit {process.returncode}):\n{said}")
     max_steps = int(yaml.safe_load(config.read_text())["max_steps"])
     losses = {e["step"]: e["loss"] for e in parse_events(log.read_text()) if e["event"] == "step"}
     (final,) = (store / run_id).glob(f"step-{max_steps:010d}-a*")
@@ -580,7 +587,8 @@ def summary_table(stats: DrillStats, *, seed: int, config: dict[str, Any]) -> st
     ]
     width = max(len(name) for name, _, _ in rows)
     lines = [
-        f"kill drill: seed {seed}, max_steps {config['max_steps']}, checkpoint every "
+        f"kill drill: seed {seed}, device {config.get('device', 'cpu')}, "
+        f"max_steps {config['max_steps']}, checkpoint every "
         f"{config['checkpoint_every_steps']} steps, async_save {config['async_save']}, "
         f"keep_last_k {config['keep_last_k']}",
         "",
@@ -610,11 +618,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--checkpoint-every", type=int, default=DRILL_CONFIG["checkpoint_every_steps"]
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="train on this device (cuda: resumes bit-exact on the same GPU)",
+    )
     args = parser.parse_args(argv)
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tracks-kill-drill-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    overrides = {"max_steps": args.max_steps, "checkpoint_every_steps": args.checkpoint_every}
+    overrides = {
+        "max_steps": args.max_steps,
+        "checkpoint_every_steps": args.checkpoint_every,
+        "device": args.device,
+    }
     config_values = {**DRILL_CONFIG, **overrides}
     print(f"kill drill in {workdir}: {args.kills} kills, seed {args.seed}", flush=True)
     config = write_config(workdir, make_snapshot(workdir / "data"), **overrides)

@@ -218,7 +218,8 @@ def test_a_synchronous_save_writes_the_live_tensors_and_hashes_on_every_core(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A save the training loop waits for copies nothing and may use every core; a save in
-    the background hashes on one core, beside the training loop, and resume on every core."""
+    the background hashes on the cores the training loop's threads leave (at least one), and
+    resume on every core."""
     from pipeline.checkpoint import verify as verify_module
     from pipeline.checkpoint import writer as writer_module
 
@@ -236,6 +237,8 @@ def test_a_synchronous_save_writes_the_live_tensors_and_hashes_on_every_core(
     for module in (writer_module, verify_module):
         monkeypatch.setattr(module, "new_hasher", counted(module))
     monkeypatch.setattr(manager_module, "usable_cores", lambda: 3)
+    intra_op_threads = [1]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: intra_op_threads[0])
     data = _data()
     state = _state(data)
     _steps(state, data, 3)
@@ -248,6 +251,12 @@ def test_a_synchronous_save_writes_the_live_tensors_and_hashes_on_every_core(
     manager.save_async(state)
     manager.wait()
     assert manager._buffers.nbytes > 0
+    assert {n for where, n in threads if where == "writer"} == {2}  # 3 cores, 1 trains
+    threads.clear()
+    intra_op_threads[0] = 3  # a loop that takes every core still leaves the writer one
+    _steps(state, data, 1)
+    manager.save_async(state)
+    manager.wait()
     assert {n for where, n in threads if where == "writer"} == {1}
     threads.clear()
     _manager(tmp_path, attempt=2).resume(_state(data, seed=5))

@@ -345,8 +345,10 @@ class CheckpointManager:
                 staging.set()
             copies.synchronize()  # a GPU's bytes are in host memory before any is hashed
             _lower_priority()
-            # One core: the training loop runs on the others.
-            self.write_and_commit(staged, hash_threads=1)
+            # The cores the training loop's own threads leave: one on a 2-core VM that trains
+            # on the other, most of them beside a GPU, whose loop needs one core to launch.
+            spare = usable_cores() - torch.get_num_threads()
+            self.write_and_commit(staged, hash_threads=max(1, spare))
         except BaseException as exc:  # raised on the training thread by poll/wait/save
             self._writer_error = exc
 
