@@ -66,7 +66,7 @@ from pipeline.determinism import use_deterministic_kernels
 
 def synchronize() -> None:
     if torch.cuda.is_available():
-        synchronize()
+        torch.cuda.synchronize()
 
 
 def synchronized(fn: Callable[[], object]) -> float:
