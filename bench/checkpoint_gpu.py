@@ -54,7 +54,9 @@ from checkpoint_bench import (
     build_state,
     filesystem,
     machine,
+    raw_write,
     remove_checkpoints,
+    settle,
     state_bytes,
     train_step,
 )
@@ -229,6 +231,18 @@ def run(args: argparse.Namespace, root: Path) -> int:
     say(f"(g3) the step after save_async took longer than a plain step by "
         f"{_fmt(exposed, 1e3, 'ms')} ({statistics.median(exposed) / floor_seconds:.2f} of "
         "the floor)")  # fmt: skip
+
+    # The disk's floor for the background save: write(2) + fsync of the same bytes.
+    staged = [b.reshape(-1).view(torch.uint8).numpy() for b in manager._buffers._buffers.values()]
+    disk = []
+    for index in range(args.repeats):
+        settle()
+        began = time.perf_counter()
+        written = raw_write(root / f"raw-{index}", {"state.bin": [memoryview(b) for b in staged]})
+        disk.append(written / (time.perf_counter() - began))
+        shutil.rmtree(root / f"raw-{index}")
+    say(f"     the disk: write(2) + fsync of the same bytes {_fmt(disk, 1e-9, 'GB/s')} "
+        f"({size / statistics.median(disk):.2f} s)")  # fmt: skip
 
     # (g4) throughput with saves every N steps.
     rows = []

@@ -177,7 +177,7 @@ class CheckpointManager:
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
         # Set once the save in flight no longer reads live parameters or optimizer state, or
-        # (on a GPU) once its copies are enqueued: _device_copies, set by the writer before it.
+        # (on a GPU) once the writer holds the copies the capture enqueued: _device_copies.
         self._staging: threading.Event | None = None
         self._device_copies: DeviceCopies | None = None
         self._step_hook: tuple[torch.optim.Optimizer, Any] | None = None
@@ -239,9 +239,9 @@ class CheckpointManager:
     def wait_staged(self) -> None:
         """Return once the save in flight no longer reads live parameters or optimizer state.
 
-        ``optimizer.step()`` calls this itself, through a step pre-hook. On a GPU the host only
-        waits until the writer has enqueued its copies on its side stream; this thread's
-        current stream then waits for them on the device, so the step's kernels run after them.
+        ``optimizer.step()`` calls this itself, through a step pre-hook. On a GPU the capture
+        enqueued the copies on a side stream and the host waits for nothing; this thread's
+        current stream waits for them on the device, so the step's kernels run after them.
         """
         staging, self._staging = self._staging, None
         if staging is None:

@@ -14,14 +14,15 @@ So their copy may run beside the next forward/backward, provided ``optimizer.ste
 for it; :class:`~pipeline.checkpoint.manager.CheckpointManager` enforces that with an
 optimizer step pre-hook. This is the overlap DataStates-LLM calls lazy snapshotting.
 
-On a GPU no copy makes the host wait for the device. The capture enqueues its device-to-host
-copies into pinned buffers on the training thread's current stream (``non_blocking``), which
-orders them before the next forward's kernels, and records an event there: everything up to
-the last ``optimizer.step()`` is then on its way. The writer thread makes a side stream of its
-own wait for that event and copies the parameters and optimizer state on it, into pinned
-buffers, and records a second event. ``optimizer.step()`` makes the training stream wait for
-that event (the GPU waits, the host does not); the writer waits for both events before it
-hashes a byte (:class:`DeviceCopies`).
+On a GPU no copy makes the host wait for the device, and the bulk of the bytes is not left
+for later: enqueueing a copy costs the host microseconds, so the capture starts the copies of
+the parameters and optimizer state at once, into pinned buffers, on a side stream made to wait
+for everything the training stream holds so far (up to the last ``optimizer.step()``). They
+run while the rest is captured and while the next forward and backward run. What forward may
+change (buffers, the probe's logits) is copied on the training stream itself, which orders it
+before the next forward's kernels. An event on each stream marks the copies;
+``optimizer.step()`` makes the training stream wait for the side stream's (the GPU waits, the
+host does not), and the writer waits for both before it hashes a byte (:class:`DeviceCopies`).
 """
 
 from __future__ import annotations
@@ -164,9 +165,6 @@ class DeviceCopies:
         event.record(stream)
         self._events.append((device, event))
 
-    def event_on(self, device: torch.device) -> Any | None:
-        return next((event for at, event in self._events if at == device), None)
-
     def extend(self, other: DeviceCopies) -> None:
         self._events.extend(other._events)
 
@@ -255,17 +253,18 @@ def stage_checkpoint(
 
 @dataclass(frozen=True)
 class CapturedCheckpoint:
-    """A checkpoint whose step-stable tensors are still to be copied (see the module doc).
+    """A checkpoint whose step-stable tensors are still being copied (see the module doc).
 
     ``model`` and ``training_tensors`` hold host copies of everything except the keys in
-    ``pending``, which still alias live parameters and optimizer state until :meth:`finish`.
+    ``pending``, which still alias live CPU parameters and optimizer state until
+    :meth:`finish`; a GPU's are in pinned buffers once ``copies`` are synchronized.
     """
 
     staged: StagedCheckpoint
     pending: dict[str, torch.Tensor]
     buffers: StagingBuffers | None
-    # The capture's own device copies, and the point on each training stream where every
-    # kernel up to the last optimizer.step() was enqueued (one event serves both).
+    # The capture's device copies: on each training stream (buffers, probe logits) and on
+    # each side stream (parameters and optimizer state, with defer_stable).
     copies: DeviceCopies = field(default_factory=DeviceCopies)
 
     def finish(self) -> StagedCheckpoint:
@@ -278,36 +277,17 @@ class CapturedCheckpoint:
         return staged
 
     def enqueue(self) -> tuple[StagedCheckpoint, DeviceCopies]:
-        """Copy the pending tensors to host memory, a GPU's on a side stream without waiting:
-        the staged checkpoint is complete once the returned copies are synchronized.
+        """Copy the pending (CPU) tensors to host buffers: the staged checkpoint is complete
+        once the returned copies, the capture's device copies, are synchronized.
 
-        The live tensors may change once the copies are ordered before the change, which
+        The live tensors may change once those copies are ordered before the change, which
         :meth:`DeviceCopies.order_current_streams` does on the thread that changes them.
         """
         copies = DeviceCopies()
         copies.extend(self.copies)
         if not self.pending:
             return self.staged, copies
-        host: dict[str, torch.Tensor] = {}
-        on_device: dict[torch.device, dict[str, torch.Tensor]] = {}
-        for key, tensor in self.pending.items():
-            if tensor.device.type == "cuda" and self.buffers is not None:
-                on_device.setdefault(tensor.device, {})[key] = tensor
-            else:
-                host[key] = _host_copy(self.buffers, key, tensor)
-        for device, tensors in on_device.items():
-            assert self.buffers is not None
-            stream = self.buffers.side_stream(device)
-            ready = self.copies.event_on(device)
-            if ready is not None:  # after every kernel the capture saw enqueued
-                stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                for key, tensor in tensors.items():
-                    host[key] = self.buffers.copy(key, tensor, non_blocking=True)
-                    # The caching allocator must not hand this memory to another stream
-                    # before the copy has read it.
-                    tensor.record_stream(stream)
-            copies.record(device, stream)
+        host = {key: _host_copy(self.buffers, key, t) for key, t in self.pending.items()}
         model = {k: host.get(f"model.{k}", v) for k, v in self.staged.model.items()}
         training = {k: host.get(k, v) for k, v in self.staged.training_tensors.items()}
         staged = dataclasses.replace(self.staged, model=model, training_tensors=training)
@@ -325,7 +305,8 @@ def capture_checkpoint(
     defer_stable: bool = False,
     alias_cpu: bool = False,
 ) -> CapturedCheckpoint:
-    """Stage what forward/backward may change; with ``defer_stable``, leave the rest pending.
+    """Stage what forward/backward may change; with ``defer_stable``, leave the rest pending
+    (a CPU's) or copying on a side stream (a GPU's, with ``buffers``).
 
     Without ``defer_stable`` nothing is pending: the capture is the whole staging. With
     ``alias_cpu``, contiguous CPU tensors are not copied at all: the staged checkpoint holds
@@ -336,11 +317,28 @@ def capture_checkpoint(
         stable = {p.data_ptr() for p in state.model.parameters()}
     pending: dict[str, torch.Tensor] = {}
     devices: set[torch.device] = set()
+    side_streams: dict[torch.device, Any] = {}
+
+    def on_side_stream(key: str, tensor: torch.Tensor) -> torch.Tensor:
+        assert buffers is not None
+        stream = side_streams.get(tensor.device)
+        if stream is None:
+            stream = side_streams[tensor.device] = buffers.side_stream(tensor.device)
+            # After every kernel enqueued so far: the last optimizer.step() included.
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            copy = buffers.copy(key, tensor, non_blocking=True)
+            # The caching allocator must not hand this memory to another stream before the
+            # copy has read it.
+            tensor.record_stream(stream)
+        return copy
 
     def host(key: str, tensor: torch.Tensor, *, later: bool) -> torch.Tensor:
         if alias_cpu and tensor.device.type == "cpu" and tensor.is_contiguous():
             return tensor.detach()
         if tensor.device.type == "cuda" and buffers is not None:
+            if later:  # started now, it runs while the rest is captured
+                return on_side_stream(key, tensor.detach())
             devices.add(tensor.device)
         if later:
             pending[key] = tensor.detach()
@@ -369,6 +367,8 @@ def capture_checkpoint(
     copies = DeviceCopies()
     for device in sorted(devices, key=str):
         copies.record(device, torch.cuda.current_stream(device))
+    for device, stream in side_streams.items():
+        copies.record(device, stream)
     trainer_state = {
         "format_version": STATE_FORMAT_VERSION,
         "run_id": run_id,
