@@ -346,24 +346,43 @@ def capture_checkpoint(
         # Enqueued on the training stream: ordered before the next forward's kernels.
         return _host_copy(buffers, key, tensor, non_blocking=True)
 
-    model_tensors = {
-        k: host(f"model.{k}", v, later=v.data_ptr() in stable)
-        for k, v in state.model.state_dict().items()
-    }
-    components: dict[str, Any] = {}
-    training_tensors: dict[str, torch.Tensor] = {}
-    for name, part in state.stateful().items():
-        encoded, tensors = encode_state(part.state_dict(), name)
-        components[name] = encoded
-        # The optimizer's state changes only in optimizer.step(), like the parameters.
-        later = defer_stable and name == "optimizer"
-        training_tensors.update({k: host(k, v, later=later) for k, v in tensors.items()})
+    # The training stream's own copies and reads go first (the probe's logits, the model's
+    # buffers, every part but the optimizer: a GradScaler reads its scale with .item()), the
+    # step-stable bulk last: a GPU's copy engine serves device-to-host copies in the order they
+    # were enqueued, and on an H100 a probe copy enqueued behind a gigabyte on the side stream
+    # held the next step's forward back for the whole copy.
     probe_inputs = _to_host(state.probe_inputs)
     logits = probe_logits(state.model, probe_inputs) if run_probe else torch.empty(0)
     if logits.device.type == "cuda" and buffers is not None:
         logits = host("probe.logits", logits.contiguous(), later=False)
     else:
         logits = _to_host(logits)
+    live_model = state.model.state_dict()
+    staged_model = {
+        k: host(f"model.{k}", v, later=False)
+        for k, v in live_model.items()
+        if v.data_ptr() not in stable
+    }
+    parts = state.stateful()
+    encoded: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
+    for name, part in parts.items():
+        if name != "optimizer":
+            document, tensors = encode_state(part.state_dict(), name)
+            encoded[name] = (document, {k: host(k, v, later=False) for k, v in tensors.items()})
+    # The bulk: the parameters first, whose copies run while the optimizer's state is encoded;
+    # that state changes only in optimizer.step(), like the parameters.
+    staged_model.update(
+        {k: host(f"model.{k}", v, later=True) for k, v in live_model.items()
+         if v.data_ptr() in stable}
+    )  # fmt: skip
+    document, tensors = encode_state(parts["optimizer"].state_dict(), "optimizer")
+    encoded["optimizer"] = (
+        document,
+        {k: host(k, v, later=defer_stable) for k, v in tensors.items()},
+    )
+    model_tensors = {k: staged_model[k] for k in live_model}
+    components = {name: encoded[name][0] for name in parts}
+    training_tensors = {k: v for name in parts for k, v in encoded[name][1].items()}
     copies = DeviceCopies()
     for device in sorted(devices, key=str):
         copies.record(device, torch.cuda.current_stream(device))
