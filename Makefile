@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export TRACKS_HOME ?= $(CURDIR)/.tracks
 export DAGSTER_HOME ?= $(TRACKS_HOME)/dagster
 
-.PHONY: install demo test lint dev clean browser screenshots mlflow-ui
+.PHONY: install demo test lint dev clean browser screenshots mlflow-ui gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,19 @@ mlflow-ui: install
 dev: install
 	$(BIN)/tracks instance init
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+# Wheels for bench/gpu_checks.sh on a GPU machine whose image has torch but not Tracks' other
+# needs (bench/gpu_wheels.txt), for its Python (GPU_PYTHON_VERSION) and x86-64 Linux.
+GPU_PYTHON_VERSION ?= 3.12
+gpu-wheels:
+	mkdir -p .whl
+	grep -v '^#' bench/gpu_wheels.txt | while read -r name; do \
+		pin=$$(grep -i "^$$name==" requirements.lock) || { echo "$$name: not in requirements.lock"; exit 1; }; \
+		$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --dest .whl \
+			--python-version $(GPU_PYTHON_VERSION) --implementation cp \
+			--platform manylinux_2_28_x86_64 \
+			--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "$$pin" || exit 1; \
+	done
 
 clean:
 	rm -rf $(TRACKS_HOME)
