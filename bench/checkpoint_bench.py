@@ -101,6 +101,7 @@ from pipeline.checkpoint.state import (
     stage_checkpoint,
 )
 from pipeline.checkpoint.writer import serialize_staged
+from pipeline.determinism import use_deterministic_kernels
 
 WIDTH, DEPTH, BATCH = 4096, 5, 16
 _SLICE = 64 * 1024 * 1024
@@ -335,13 +336,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hash-workers", type=int, default=0, help="0: hash inline (default)")
     parser.add_argument("--dir", type=Path, help="where to write (default: a temp dir)")
     args = parser.parse_args(argv)
-    if args.dir is not None and not args.dir.is_dir():
-        parser.error(f"--dir {args.dir}: not a directory")
     if args.repeats < 1 or args.save_every < 1:
         parser.error("--repeats and --save-every must be at least 1")
+    return run_in_temp_dir(args, "tracks-ckpt-bench-", run)
+
+
+def run_in_temp_dir(
+    args: argparse.Namespace, prefix: str, run: Callable[[argparse.Namespace, Path], int]
+) -> int:
+    """``run(args, root)`` in a new directory under ``--dir``, removed afterwards, on one
+    intra-op thread with deterministic kernels, as the trainer trains."""
+    if args.dir is not None and not args.dir.is_dir():
+        raise SystemExit(f"--dir {args.dir}: not a directory")
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    root = Path(tempfile.mkdtemp(prefix="tracks-ckpt-bench-", dir=args.dir))
+    use_deterministic_kernels()
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=args.dir))
     try:
         return run(args, root)
     finally:

@@ -37,7 +37,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +55,7 @@ from checkpoint_bench import (
     machine,
     raw_write,
     remove_checkpoints,
+    run_in_temp_dir,
     settle,
     state_bytes,
     train_step,
@@ -63,7 +63,6 @@ from checkpoint_bench import (
 
 from pipeline.checkpoint import CheckpointConfig, CheckpointManager, TrainingState
 from pipeline.checkpoint.codec import encode_state
-from pipeline.determinism import use_deterministic_kernels
 
 
 def synchronize() -> None:
@@ -145,13 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.repeats < 1 or args.batch < 1 or min(args.save_every) < 1:
         parser.error("--repeats, --batch and --save-every must be at least 1")
-    torch.set_num_threads(1)
-    use_deterministic_kernels()
-    root = Path(tempfile.mkdtemp(prefix="tracks-ckpt-gpu-", dir=args.dir))
-    try:
-        return run(args, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    return run_in_temp_dir(args, "tracks-ckpt-gpu-", run)
 
 
 def run(args: argparse.Namespace, root: Path) -> int:
