@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.checkpoint import is_committed
 from pipeline.checkpoint.layout import MODEL_FILE
 from pipeline.data.landing import write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
@@ -58,7 +59,9 @@ def _ledger(home: Path) -> Ledger:
 
 
 def _start_and_wait_for_commit(server: DagsterDev, home: Path, snapshot: str, config: dict) -> str:
-    """Launch a run and return its training run id once step 200 is committed."""
+    """Launch a run and return its training run id once step 200 is committed: in the ledger
+    and on disk. The ledger's commit comes first (it checks the fencing token); a kill between
+    the two leaves a directory without COMMITTED, which the next attempt marks corrupt."""
     dagster_run = launch_graph(server, snapshot, {**TRAINING, **config})
     ledger = _ledger(home)
 
@@ -66,7 +69,12 @@ def _start_and_wait_for_commit(server: DagsterDev, home: Path, snapshot: str, co
         for attempt in ledger.list_attempts(limit=20):
             if attempt.dagster_run_id == dagster_run:
                 latest = ledger.latest_committed_checkpoint(attempt.run_id)
-                if latest is not None and latest.step >= 200 and trainer_pids(attempt.run_id):
+                if (
+                    latest is not None
+                    and latest.step >= 200
+                    and is_committed(Path(latest.path))
+                    and trainer_pids(attempt.run_id)
+                ):
                     return attempt.run_id
         return None
 
