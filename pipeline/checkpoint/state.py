@@ -15,14 +15,17 @@ for it; :class:`~pipeline.checkpoint.manager.CheckpointManager` enforces that wi
 optimizer step pre-hook. This is the overlap DataStates-LLM calls lazy snapshotting.
 
 On a GPU no copy makes the host wait for the device, and the bulk of the bytes is not left
-for later: enqueueing a copy costs the host microseconds, so the capture starts the copies of
-the parameters and optimizer state at once, into pinned buffers, on a side stream made to wait
-for everything the training stream holds so far (up to the last ``optimizer.step()``). They
-run while the rest is captured and while the next forward and backward run. What forward may
-change (buffers, the probe's logits) is copied on the training stream itself, which orders it
-before the next forward's kernels. An event on each stream marks the copies;
-``optimizer.step()`` makes the training stream wait for the side stream's (the GPU waits, the
-host does not), and the writer waits for both before it hashes a byte (:class:`DeviceCopies`).
+to the writer thread: enqueueing a copy costs the host microseconds. The capture first copies
+what forward may change (the model's buffers, the probe's logits) on the training stream
+itself, which orders those copies before the next forward's kernels. Then it starts the copies
+of the parameters and optimizer state, into pinned buffers, on a side stream made to wait for
+everything the training stream holds so far (up to the last ``optimizer.step()``); they run
+while the optimizer's state is encoded and while the next forward and backward run. In that
+order because a copy engine serves device-to-host copies in the order they were enqueued: a
+small copy behind the bulk would hold the training stream back for all of it. An event on
+each stream marks the copies; ``optimizer.step()`` makes the training stream wait for the
+side stream's (the GPU waits, the host does not), and the writer waits for both before it
+hashes a byte (:class:`DeviceCopies`).
 """
 
 from __future__ import annotations
