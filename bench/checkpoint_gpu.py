@@ -95,7 +95,7 @@ def event_seconds(fn: Callable[[], object]) -> float:
 def device_to_host_floor(state: TrainingState, repeats: int) -> tuple[list[float], list[float]]:
     """Bytes per second of one contiguous copy into pinned memory, and of the state's own
     tensors copied one by one into pinned buffers."""
-    tensors = live_device_tensors(state)
+    tensors = [t for t in live_state(state).values() if t.numel() > 1]  # not Adam's steps
     size = sum(t.numel() * t.element_size() for t in tensors)
     device, pin = tensors[0].device, tensors[0].device.type == "cuda"
     source = torch.empty(size, dtype=torch.uint8, device=device).random_()
@@ -118,17 +118,16 @@ def device_to_host_floor(state: TrainingState, repeats: int) -> tuple[list[float
     return whole, per_tensor
 
 
-def live_device_tensors(state: TrainingState) -> list[torch.Tensor]:
+def live_state(state: TrainingState) -> dict[str, torch.Tensor]:
+    """The live model and optimizer tensors, named as the checkpoint names them."""
+    model = {f"model.{k}": v for k, v in state.model.state_dict().items()}
     _, optimizer = encode_state(state.optimizer.state_dict(), "optimizer")
-    tensors = [*state.model.state_dict().values(), *optimizer.values()]
-    return [t for t in tensors if t.numel() > 1]  # not Adam's step counts
+    return {**model, **optimizer}
 
 
 def snapshot(state: TrainingState) -> dict[str, torch.Tensor]:
-    """The state as the checkpoint names it, cloned to host memory (for the resume check)."""
-    tensors = {f"model.{k}": v.detach().cpu() for k, v in state.model.state_dict().items()}
-    _, optimizer = encode_state(state.optimizer.state_dict(), "optimizer")
-    return {**tensors, **{k: v.detach().cpu() for k, v in optimizer.items()}}
+    """The state cloned to host memory (for the resume check)."""
+    return {k: v.detach().cpu() for k, v in live_state(state).items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,6 +82,7 @@ DRILL_CONFIG: dict[str, Any] = {
     "keep_best_k": 0,
     "log_every_steps": 1,
     "async_save": True,
+    "device": "cpu",
 }
 MODES = {"random": 0.6, "startup": 0.1, "mid_file": 0.15, "before_commit": 0.15}
 HOOK_SECONDS = 20.0  # the hooked process waits this long for its SIGKILL
@@ -587,7 +588,7 @@ def summary_table(stats: DrillStats, *, seed: int, config: dict[str, Any]) -> st
     ]
     width = max(len(name) for name, _, _ in rows)
     lines = [
-        f"kill drill: seed {seed}, device {config.get('device', 'cpu')}, "
+        f"kill drill: seed {seed}, device {config['device']}, "
         f"max_steps {config['max_steps']}, checkpoint every "
         f"{config['checkpoint_every_steps']} steps, async_save {config['async_save']}, "
         f"keep_last_k {config['keep_last_k']}",
@@ -621,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
-        default="cpu",
+        default=DRILL_CONFIG["device"],
         help="train on this device (cuda: resumes bit-exact on the same GPU)",
     )
     args = parser.parse_args(argv)

@@ -168,9 +168,6 @@ class DeviceCopies:
         event.record(stream)
         self._events.append((device, event))
 
-    def extend(self, other: DeviceCopies) -> None:
-        self._events.extend(other._events)
-
     def order_current_streams(self) -> None:
         """Make this thread's current stream on each device wait for the copies, on the GPU:
         kernels enqueued from now on run after them; the host does not wait."""
@@ -286,15 +283,13 @@ class CapturedCheckpoint:
         The live tensors may change once those copies are ordered before the change, which
         :meth:`DeviceCopies.order_current_streams` does on the thread that changes them.
         """
-        copies = DeviceCopies()
-        copies.extend(self.copies)
         if not self.pending:
-            return self.staged, copies
+            return self.staged, self.copies
         host = {key: _host_copy(self.buffers, key, t) for key, t in self.pending.items()}
         model = {k: host.get(f"model.{k}", v) for k, v in self.staged.model.items()}
         training = {k: host.get(k, v) for k, v in self.staged.training_tensors.items()}
         staged = dataclasses.replace(self.staged, model=model, training_tensors=training)
-        return staged, copies
+        return staged, self.copies
 
 
 def capture_checkpoint(
