@@ -40,7 +40,9 @@ from pipeline.checkpoint import manager as manager_module
 from pipeline.checkpoint import verify as checkpoint_verify
 from pipeline.checkpoint import writer as checkpoint_writer
 from pipeline.checkpoint.codec import StateEncodingError, decode_state, encode_state
+from pipeline.checkpoint.layout import TENSOR_FILE_METADATA
 from pipeline.checkpoint.state import live_tensors
+from pipeline.checkpoint.tensorfile import FileImage, safetensors_chunks
 from pipeline.checkpoint.verify import ListedFile
 from pipeline.digests import sha256_bytes
 from pipeline.ledger import AttemptStart, EvaluationRecord, Ledger, StaleFencingTokenError
@@ -638,6 +640,118 @@ def test_o_direct_writes_run_beside_the_gathering_and_their_error_keeps_its_errn
         checkpoint_writer.write_chunks_durably(path, chunks)
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
     assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-write")]
+
+
+def _image(tensors: dict[str, torch.Tensor]) -> FileImage:
+    """A file image of ``tensors``, filled as staging fills it."""
+    image = FileImage(tensors, TENSOR_FILE_METADATA)
+    for name, tensor in tensors.items():
+        image.tensors[name].copy_(tensor)
+    return image
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_a_file_image_is_written_as_it_lies_byte_for_byte_and_the_fault_hook_sees_half(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    """A staged file image is the safetensors file the chunks make, laid out in aligned
+    memory: with O_DIRECT it is written from there, slice by slice (its zero padding
+    truncated away); the halfway hook sees the first half in whole blocks; the digest fed
+    while writing is the file's."""
+    if not direct:
+        monkeypatch.setattr(checkpoint_writer, "use_direct_io", lambda fd: False)
+    calls: list[int] = []
+    real = checkpoint_writer.write_image_direct
+    monkeypatch.setattr(
+        checkpoint_writer,
+        "write_image_direct",
+        lambda fd, *args: calls.append(fd) or real(fd, *args),
+    )
+    generator = torch.Generator().manual_seed(0)
+    sizes = [13, 4096, 7 * 1024 * 1024 + 5, 1, 9 * 1024 * 1024 + 4093, 300_001]
+    tensors = {
+        f"t{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
+        for i, n in enumerate(sizes)
+    }
+    tensors["f"] = torch.randn(1001, generator=generator)  # laid out first: 4-byte elements
+    image = _image(tensors)
+    expected = b"".join(bytes(c) for c in safetensors_chunks(tensors, TENSOR_FILE_METADATA))
+    assert bytes(image.data) == expected and image.size % 4096 != 0
+    assert not any(image.buffer[image.size :])  # the padding O_DIRECT writes is zeros
+    path = tmp_path / "big.safetensors"
+    seen: list[int] = []
+
+    def halfway() -> None:
+        seen.append(path.stat().st_size)
+        assert path.read_bytes() == expected[: seen[-1]]
+
+    digest = blake3.blake3()
+    written = checkpoint_writer.write_chunks_durably(
+        path, [image.data], halfway=halfway, digest=digest, image=image
+    )
+    assert written == len(expected)
+    assert path.read_bytes() == expected
+    assert digest.hexdigest() == blake3.blake3(expected).hexdigest()
+    assert len(calls) == (1 if direct else 0)
+    assert len(seen) == 1 and 0 <= len(expected) // 2 - seen[0] < (4096 if direct else 1)
+
+
+def test_a_failed_write_of_a_file_image_keeps_its_errno_and_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = checkpoint_writer.os.pwrite
+    writes: list[int] = []
+
+    def pwrite(fd: int, data: memoryview, offset: int) -> int:
+        writes.append(offset)
+        if len(writes) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(checkpoint_writer.os, "pwrite", pwrite)
+    image = _image({"data": torch.arange(20 * 1024 * 1024, dtype=torch.int32)})  # 80 MiB
+    path = tmp_path / "full.safetensors"
+    with pytest.raises(OSError) as raised:
+        checkpoint_writer.write_chunks_durably(path, [image.data], image=image)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
+    assert len(writes) < 3 + 3  # stopped within the writes in flight
+    assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-write")]
+
+
+def test_an_async_save_writes_its_file_images_and_they_hold_what_a_synchronous_save_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With O_DIRECT for every file, an async save writes model and optimizer from their
+    staged images (no gathering) and a synchronous save from the live tensors (gathered):
+    the same bytes, which resume restores."""
+    monkeypatch.setattr(checkpoint_writer, "DIRECT_MIN_BYTES", 1)
+    images: list[str] = []
+    real = checkpoint_writer.write_image_direct
+    monkeypatch.setattr(
+        checkpoint_writer,
+        "write_image_direct",
+        lambda fd, image, *args: images.append(sorted(image.tensors)[0]) or real(fd, image, *args),
+    )
+    data = _data()
+    state = _state(data)
+    _steps(state, data, 3)
+    manager = _manager(tmp_path / "async")
+    manager.save_async(state)
+    manager.wait()
+    expected = _steps(state, data, 2)
+    assert len(images) == 2  # model.safetensors and optimizer.safetensors
+    images.clear()
+    twin = _state(data)  # the same trajectory, saved synchronously
+    _steps(twin, data, 3)
+    synchronous = _manager(tmp_path / "sync").save(twin).path
+    assert images == []
+    (written,) = checkpoint_dirs(manager.run_dir)
+    for name in (MODEL_FILE, OPTIMIZER_FILE):
+        assert (written / name).read_bytes() == (synchronous / name).read_bytes()
+    resumed = _state(data, seed=7)
+    _manager(tmp_path / "async", attempt=2).resume(resumed)
+    assert resumed.step == 3
+    assert _steps(resumed, data, 2) == expected
 
 
 # -- reading straight into the live tensors -----------------------------------------------------

@@ -80,7 +80,9 @@ def test_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path:
     assert (info.path / OPTIMIZER_FILE).read_bytes() == (twin / OPTIMIZER_FILE).read_bytes()
 
 
-def test_staging_copies_into_the_same_preallocated_buffers_every_save(tmp_path: Path) -> None:
+def test_staging_copies_into_the_same_file_images_every_save(tmp_path: Path) -> None:
+    """A CPU model's two tensor files are staged into one image each, mapped by the first save
+    and reused by every save after it; the files written are those images' bytes."""
     data = _data()
     state = _state(data)
     manager = _manager(tmp_path)
@@ -88,14 +90,22 @@ def test_staging_copies_into_the_same_preallocated_buffers_every_save(tmp_path: 
     for _ in range(3):
         _steps(state, data, 2)
         manager.save_async(state)
-        pointers.append({k: b.data_ptr() for k, b in manager._buffers._buffers.items()})
+        images = manager._buffers._images
+        pointers.append(
+            {name: {k: t.data_ptr() for k, t in image.tensors.items()} for name, image in images.items()}
+        )  # fmt: skip
     manager.wait()
     assert pointers[0] == pointers[1] == pointers[2]
-    assert any(k.startswith("optimizer.") for k in pointers[0]) and "model.head.1.weight" in str(
-        pointers[0]
-    )
+    assert set(pointers[0]) == {MODEL_FILE, OPTIMIZER_FILE}
+    assert "head.1.weight" in pointers[0][MODEL_FILE]
+    assert any(k.startswith("optimizer.") for k in pointers[0][OPTIMIZER_FILE])
+    assert manager._buffers._buffers == {}  # no tensor staged outside its file's image
     live = {t.data_ptr() for t in state.model.state_dict().values()}
-    assert live.isdisjoint(pointers[0].values()), "staged tensors must not alias live ones"
+    staged = {ptr for file in pointers[0].values() for ptr in file.values()}
+    assert live.isdisjoint(staged), "staged tensors must not alias live ones"
+    newest = max(checkpoint_dirs(manager.run_dir), key=lambda path: path.name)
+    for name, image in images.items():
+        assert (newest / name).read_bytes() == bytes(image.data)
 
 
 def test_next_save_waits_for_the_one_in_flight_before_reusing_its_buffers(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import MappingProxyType
 
 from pipeline import ids, safepath
 from pipeline.durable import (  # noqa: F401 - the checkpoint protocol's primitives
@@ -17,6 +18,9 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINER_STATE_FILE = "trainer_state.json"
 PROBE_FILE = "probe.safetensors"
+# The metadata of model.safetensors and optimizer.safetensors (what safetensors' own torch
+# writer records).
+TENSOR_FILE_METADATA = MappingProxyType({"format": "pt"})
 MANIFEST_FILE = "MANIFEST.json"
 COMMITTED_FILE = "COMMITTED"
 # Written into a committed directory that failed verification: never a resume target again,

@@ -322,7 +322,7 @@ class CheckpointManager:
                 buffers=self._buffers,
             )
             self._skeleton = ProbeSkeleton.build(state, staged) or False
-            return CapturedCheckpoint(staged=staged, pending={}, buffers=self._buffers)
+            return CapturedCheckpoint(staged=staged, pending={})
         return capture_checkpoint(
             state,
             run_id=self.run_id,
@@ -339,8 +339,7 @@ class CheckpointManager:
         try:
             try:
                 # At normal priority: the training loop may be waiting for it in optimizer.step.
-                staged, copies = captured.enqueue()
-                self._device_copies = copies
+                copies = self._device_copies = captured.enqueue()
             finally:
                 staging.set()
             copies.synchronize()  # a GPU's bytes are in host memory before any is hashed
@@ -348,7 +347,7 @@ class CheckpointManager:
             # The cores the training loop's own threads leave: one on a 2-core VM that trains
             # on the other, most of them beside a GPU, whose loop needs one core to launch.
             spare = usable_cores() - torch.get_num_threads()
-            self.write_and_commit(staged, hash_threads=max(1, spare))
+            self.write_and_commit(captured.staged, hash_threads=max(1, spare))
         except BaseException as exc:  # raised on the training thread by poll/wait/save
             self._writer_error = exc
 

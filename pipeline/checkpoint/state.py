@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from pipeline.checkpoint.codec import decode_state, encode_state
-from pipeline.checkpoint.layout import MODEL_FILE, OPTIMIZER_FILE
+from pipeline.checkpoint.layout import MODEL_FILE, OPTIMIZER_FILE, TENSOR_FILE_METADATA
+from pipeline.checkpoint.tensorfile import FileImage
 
 STATE_FORMAT_VERSION = 1
 
@@ -145,6 +146,10 @@ class StagedCheckpoint:
     metrics: dict[str, float]
     # Set when the probe logits are still to be computed from ``model`` (see ProbeSkeleton).
     probe_pending: bool = False
+    # By file name: the image whose views ``model`` or ``training_tensors`` are, when staging
+    # laid that file out in one buffer (every tensor of it on the CPU); the writer writes it
+    # as it is.
+    images: dict[str, FileImage] = field(default_factory=dict)
 
 
 class DeviceCopies:
@@ -181,22 +186,44 @@ class DeviceCopies:
 
 
 class StagingBuffers:
-    """Host tensors reused from save to save: staging is a ``copy_`` into memory already there.
+    """Host memory reused from save to save: staging is a ``copy_`` into memory already there.
 
     Allocating (and first touching) a gigabyte of host memory costs far more than copying into
-    it, so buffers are kept by key and reused while shape and dtype stay the same. Buffers for
-    tensors that live on a GPU are pinned, so the device-to-host copy runs at full speed and
-    without making the host wait. The owner must not stage again while a writer still reads
-    the previous staged copy.
+    it, so buffers are kept and reused while the layout stays the same. A file whose tensors
+    all live on the CPU is staged into one :class:`FileImage` (the file as it will lie on the
+    disk, which the writer writes without gathering it first); any other tensor gets a buffer
+    of its own, by key, pinned for a tensor that lives on a GPU, so the device-to-host copy
+    runs at full speed and without making the host wait. The owner must not stage again while
+    a writer still reads the previous staged copy.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._images: dict[str, FileImage] = {}
         self._streams: dict[torch.device, Any] = {}
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        tensors = sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return tensors + sum(len(image.buffer) for image in self._images.values())
+
+    def buffer(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This key's host buffer for ``tensor`` (allocated on first use, or when its shape or
+        dtype changed)."""
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            pin = tensor.device.type == "cuda" and torch.cuda.is_available()
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            self._buffers[key] = buffer
+        return buffer
+
+    def image(self, name: str, tensors: dict[str, torch.Tensor]) -> FileImage:
+        """The file ``name`` laid out for ``tensors`` (a new image when the layout changed)."""
+        image = self._images.get(name)
+        if image is None or not image.fits(tensors, TENSOR_FILE_METADATA):
+            self._images.pop(name, None)  # freed before the next one is mapped
+            image = self._images[name] = FileImage(tensors, TENSOR_FILE_METADATA)
+        return image
 
     def copy(self, key: str, tensor: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
         """``tensor``'s values in this key's host buffer (allocated on first use).
@@ -206,11 +233,7 @@ class StagingBuffers:
         (and always for a CPU tensor) they are there when this returns.
         """
         tensor = tensor.detach()
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pin = tensor.device.type == "cuda" and torch.cuda.is_available()
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-            self._buffers[key] = buffer
+        buffer = self.buffer(key, tensor)
         # Into pageable memory a device copy is synchronous whatever it is asked.
         on_device = tensor.device.type == "cuda"
         buffer.copy_(tensor, non_blocking=non_blocking and on_device and buffer.is_pinned())
@@ -255,14 +278,13 @@ def stage_checkpoint(
 class CapturedCheckpoint:
     """A checkpoint whose step-stable tensors are still being copied (see the module doc).
 
-    ``model`` and ``training_tensors`` hold host copies of everything except the keys in
-    ``pending``, which still alias live CPU parameters and optimizer state until
-    :meth:`finish`; a GPU's are in pinned buffers once ``copies`` are synchronized.
+    ``staged`` already holds every tensor's host destination. Those in ``pending`` (by staging
+    key: the live CPU tensor, and its destination) are filled by :meth:`enqueue`; a GPU's are
+    filled once ``copies`` are synchronized.
     """
 
     staged: StagedCheckpoint
-    pending: dict[str, torch.Tensor]
-    buffers: StagingBuffers | None
+    pending: dict[str, tuple[torch.Tensor, torch.Tensor]]
     # The capture's device copies: on each training stream (buffers, probe logits) and on
     # each side stream (parameters and optimizer state, with defer_stable).
     copies: DeviceCopies = field(default_factory=DeviceCopies)
@@ -272,24 +294,19 @@ class CapturedCheckpoint:
 
         May run on another thread, but must be done before the live tensors next change.
         """
-        staged, copies = self.enqueue()
-        copies.synchronize()
-        return staged
+        self.enqueue().synchronize()
+        return self.staged
 
-    def enqueue(self) -> tuple[StagedCheckpoint, DeviceCopies]:
-        """Copy the pending (CPU) tensors to host buffers: the staged checkpoint is complete
+    def enqueue(self) -> DeviceCopies:
+        """Copy the pending (CPU) tensors to their host destinations: ``staged`` is complete
         once the returned copies, the capture's device copies, are synchronized.
 
         The live tensors may change once those copies are ordered before the change, which
         :meth:`DeviceCopies.order_current_streams` does on the thread that changes them.
         """
-        if not self.pending:
-            return self.staged, self.copies
-        host = {key: _host_copy(self.buffers, key, t) for key, t in self.pending.items()}
-        model = {k: host.get(f"model.{k}", v) for k, v in self.staged.model.items()}
-        training = {k: host.get(k, v) for k, v in self.staged.training_tensors.items()}
-        staged = dataclasses.replace(self.staged, model=model, training_tensors=training)
-        return staged, self.copies
+        for source, destination in self.pending.values():
+            destination.copy_(source)
+        return self.copies
 
 
 def capture_checkpoint(
@@ -309,13 +326,20 @@ def capture_checkpoint(
     Without ``defer_stable`` nothing is pending: the capture is the whole staging. With
     ``alias_cpu``, contiguous CPU tensors are not copied at all: the staged checkpoint holds
     the live tensors themselves, for a save that is written before the caller runs again.
+    With ``buffers``, a tensor file whose tensors all live on the CPU is staged into its
+    :class:`FileImage`.
     """
     stable: set[int] = set()
     if defer_stable:
         stable = {p.data_ptr() for p in state.model.parameters()}
-    pending: dict[str, torch.Tensor] = {}
     devices: set[torch.device] = set()
     side_streams: dict[torch.device, Any] = {}
+    # Tensors copied once all of their file's are known (a file image needs its layout
+    # first), by file and by the name the file gives them: (staging key, live tensor, later).
+    waiting: dict[str, dict[str, tuple[str, torch.Tensor, bool]]] = {
+        MODEL_FILE: {},
+        OPTIMIZER_FILE: {},
+    }
 
     def on_side_stream(key: str, tensor: torch.Tensor) -> torch.Tensor:
         assert buffers is not None
@@ -331,18 +355,18 @@ def capture_checkpoint(
             tensor.record_stream(stream)
         return copy
 
-    def host(key: str, tensor: torch.Tensor, *, later: bool) -> torch.Tensor:
+    def host(file: str, name: str, key: str, tensor: torch.Tensor, *, later: bool) -> torch.Tensor:
+        tensor = tensor.detach()
         if alias_cpu and tensor.device.type == "cpu" and tensor.is_contiguous():
-            return tensor.detach()
+            return tensor
         if tensor.device.type == "cuda" and buffers is not None:
             if later:  # started now, it runs while the rest is captured
-                return on_side_stream(key, tensor.detach())
+                return on_side_stream(key, tensor)
             devices.add(tensor.device)
-        if later:
-            pending[key] = tensor.detach()
-            return pending[key]
-        # Enqueued on the training stream: ordered before the next forward's kernels.
-        return _host_copy(buffers, key, tensor, non_blocking=True)
+            # Enqueued on the training stream: ordered before the next forward's kernels.
+            return buffers.copy(key, tensor, non_blocking=True)
+        waiting[file][name] = (key, tensor, later)
+        return tensor  # until its destination is known
 
     # The training stream's own copies and reads go first (the probe's logits, the model's
     # buffers, every part but the optimizer: a GradScaler reads its scale with .item()), the
@@ -352,12 +376,13 @@ def capture_checkpoint(
     probe_inputs = _to_host(state.probe_inputs)
     logits = probe_logits(state.model, probe_inputs) if run_probe else torch.empty(0)
     if logits.device.type == "cuda" and buffers is not None:
-        logits = host("probe.logits", logits.contiguous(), later=False)
+        devices.add(logits.device)
+        logits = buffers.copy("probe.logits", logits.contiguous(), non_blocking=True)
     else:
         logits = _to_host(logits)
     live_model = state.model.state_dict()
     staged_model = {
-        k: host(f"model.{k}", v, later=False)
+        k: host(MODEL_FILE, k, f"model.{k}", v, later=False)
         for k, v in live_model.items()
         if v.data_ptr() not in stable
     }
@@ -366,21 +391,47 @@ def capture_checkpoint(
     for name, part in parts.items():
         if name != "optimizer":
             document, tensors = encode_state(part.state_dict(), name)
-            encoded[name] = (document, {k: host(k, v, later=False) for k, v in tensors.items()})
+            encoded[name] = (
+                document,
+                {k: host(OPTIMIZER_FILE, k, k, v, later=False) for k, v in tensors.items()},
+            )
     # The bulk: the parameters first, whose copies run while the optimizer's state is encoded;
     # that state changes only in optimizer.step(), like the parameters.
     staged_model.update(
-        {k: host(f"model.{k}", v, later=True) for k, v in live_model.items()
+        {k: host(MODEL_FILE, k, f"model.{k}", v, later=True) for k, v in live_model.items()
          if v.data_ptr() in stable}
     )  # fmt: skip
     document, tensors = encode_state(parts["optimizer"].state_dict(), "optimizer")
     encoded["optimizer"] = (
         document,
-        {k: host(k, v, later=defer_stable) for k, v in tensors.items()},
+        {k: host(OPTIMIZER_FILE, k, k, v, later=defer_stable) for k, v in tensors.items()},
     )
     model_tensors = {k: staged_model[k] for k in live_model}
     components = {name: encoded[name][0] for name in parts}
     training_tensors = {k: v for name in parts for k, v in encoded[name][1].items()}
+    pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    images: dict[str, FileImage] = {}
+    for file, file_tensors in ((MODEL_FILE, model_tensors), (OPTIMIZER_FILE, training_tensors)):
+        sources = waiting[file]
+        if not sources:
+            continue
+        if buffers is not None and len(sources) == len(file_tensors):
+            # Every tensor of the file is on the CPU: staged straight into the file's image.
+            images[file] = buffers.image(file, file_tensors)
+            destinations = images[file].tensors
+        else:
+            destinations = {
+                name: buffers.buffer(key, source)
+                if buffers is not None
+                else torch.empty(source.shape, dtype=source.dtype)
+                for name, (key, source, _) in sources.items()
+            }
+        for name, (key, source, later) in sources.items():
+            if later:
+                pending[key] = (source, destinations[name])
+            else:
+                destinations[name].copy_(source)
+            file_tensors[name] = destinations[name]
     copies = DeviceCopies()
     for device in sorted(devices, key=str):
         copies.record(device, torch.cuda.current_stream(device))
@@ -407,16 +458,9 @@ def capture_checkpoint(
         probe_device=str(next(state.model.parameters()).device),
         metrics=dict(metrics or {}),
         probe_pending=not run_probe,
+        images=images,
     )
-    return CapturedCheckpoint(staged=staged, pending=pending, buffers=buffers, copies=copies)
-
-
-def _host_copy(
-    buffers: StagingBuffers | None, key: str, tensor: torch.Tensor, *, non_blocking: bool = False
-) -> torch.Tensor:
-    if buffers is None:
-        return _to_host(tensor)
-    return buffers.copy(key, tensor, non_blocking=non_blocking)
+    return CapturedCheckpoint(staged=staged, pending=pending, copies=copies)
 
 
 def live_tensors(state: TrainingState) -> dict[str, dict[str, torch.Tensor]]:

@@ -10,10 +10,13 @@ header and each tensor's own memory, and the reader returns views into the one b
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pipeline.checkpoint.direct_io import DIRECT_ALIGN, block_ceil, direct_buffer
 
 # safetensors' names for torch dtypes.
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -49,37 +52,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def safetensors_chunks(
-    tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
-) -> list[memoryview]:
-    """The file as a list of buffers: header, then every tensor's bytes in file order.
-
-    Tensors are laid out by element size (largest first), then name, so every tensor starts
-    at an offset aligned to its element size, as safetensors itself does; the header is padded
-    with spaces to a multiple of 8. Equal tensors give equal bytes.
-    """
-    ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    offset = 0
-    views = []
-    for name, tensor in ordered:
-        if tensor.dtype not in DTYPE_NAMES:
-            raise TypeError(f"{name}: dtype {tensor.dtype} has no safetensors name")
-        view = tensor_bytes(tensor)
-        header[name] = {
-            "dtype": DTYPE_NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + len(view)],
-        }
-        offset += len(view)
-        views.append(view)
-    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return [memoryview(len(raw).to_bytes(8, "little") + raw), *views]
-
-
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor of a safetensors header: where its bytes lie in the data section."""
@@ -89,6 +61,85 @@ class TensorEntry:
     shape: tuple[int, ...]
     start: int
     end: int
+
+
+def safetensors_layout(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[TensorEntry]]:
+    """A file's first bytes (header length, JSON header) and its tensors' places, in file order.
+
+    Tensors are laid out by element size (largest first), then name, so every tensor starts
+    at an offset aligned to its element size, as safetensors itself does; the header is padded
+    with spaces to a multiple of 8. Offsets are from the start of the data, which follows the
+    header. Depends only on names, dtypes, shapes and ``metadata``, never on values.
+    """
+    ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    entries = []
+    for name, tensor in ordered:
+        if tensor.dtype not in DTYPE_NAMES:
+            raise TypeError(f"{name}: dtype {tensor.dtype} has no safetensors name")
+        size = tensor.numel() * tensor.element_size()
+        entries.append(TensorEntry(name, tensor.dtype, tuple(tensor.shape), offset, offset + size))
+        header[name] = {
+            "dtype": DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, entries
+
+
+def safetensors_chunks(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> list[memoryview]:
+    """The file as a list of buffers: the header, then every tensor's own bytes in file order
+    (:func:`safetensors_layout`). Equal tensors give equal bytes."""
+    head, entries = safetensors_layout(tensors, metadata)
+    return [memoryview(head), *(tensor_bytes(tensors[entry.name]) for entry in entries)]
+
+
+class FileImage:
+    """A safetensors file laid out in one buffer of its own, as it will lie on the disk.
+
+    The buffer holds the header, then a place for each tensor (:attr:`tensors`, views of the
+    buffer, which staging copies into), then zeros up to the end of the last block. It is
+    block-aligned memory from :func:`direct_buffer`, so an O_DIRECT write takes it as it is:
+    the writer needs no aligned bounce buffer to gather the tensors into, a second copy of
+    every byte.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+        self.head, entries = safetensors_layout(tensors, metadata)
+        self.size = len(self.head) + (entries[-1].end if entries else 0)
+        # Fresh anonymous memory reads as zeros: the padding past ``size`` already is.
+        self.buffer = direct_buffer(max(DIRECT_ALIGN, block_ceil(self.size)))
+        self.buffer[: len(self.head)] = self.head
+        data = torch.frombuffer(self.buffer, dtype=torch.uint8)[len(self.head) :]
+        self.tensors = {entry.name: tensor_view(data, entry) for entry in entries}
+
+    @property
+    def data(self) -> memoryview:
+        """The file's bytes (the buffer without its padding)."""
+        return self.buffer[: self.size]
+
+    def fits(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bool:
+        """Whether ``tensors`` lay out exactly as this image (names, dtypes, shapes)."""
+        return safetensors_layout(tensors, metadata)[0] == self.head
+
+    def holds(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether ``tensors`` are this image's own views, so that its bytes are their file."""
+        return tensors.keys() == self.tensors.keys() and all(
+            tensor.data_ptr() == self.tensors[name].data_ptr()
+            and tensor.dtype == self.tensors[name].dtype
+            and tensor.shape == self.tensors[name].shape
+            for name, tensor in tensors.items()
+        )
 
 
 def header_length(head: bytes, size: int) -> int:

@@ -34,13 +34,14 @@ from pipeline.checkpoint.layout import (
     MODEL_FILE,
     OPTIMIZER_FILE,
     PROBE_FILE,
+    TENSOR_FILE_METADATA,
     TRAINER_STATE_FILE,
     fsync_dir,
     replace_atomically,
     write_file_durably,
 )
 from pipeline.checkpoint.state import StagedCheckpoint
-from pipeline.checkpoint.tensorfile import safetensors_chunks
+from pipeline.checkpoint.tensorfile import FileImage, safetensors_chunks
 from pipeline.digests import FILE_DIGEST, Hasher, new_hasher, sha256_bytes
 
 # Test hooks, both "N" or "seconds@N" (N: the checkpoint's step), acting halfway through
@@ -82,8 +83,8 @@ def serialize_staged(staged: StagedCheckpoint) -> dict[str, list[memoryview]]:
     """
     trainer_state = json.dumps(staged.trainer_state, sort_keys=True, indent=1).encode()
     return {
-        MODEL_FILE: safetensors_chunks(staged.model, {"format": "pt"}),
-        OPTIMIZER_FILE: safetensors_chunks(staged.training_tensors, {"format": "pt"}),
+        MODEL_FILE: _tensor_file(staged, MODEL_FILE, staged.model),
+        OPTIMIZER_FILE: _tensor_file(staged, OPTIMIZER_FILE, staged.training_tensors),
         TRAINER_STATE_FILE: [memoryview(trainer_state)],
         PROBE_FILE: safetensors_chunks(
             staged.probe,
@@ -96,6 +97,23 @@ def serialize_staged(staged: StagedCheckpoint) -> dict[str, list[memoryview]]:
             },
         ),
     }
+
+
+def file_images(staged: StagedCheckpoint) -> dict[str, FileImage]:
+    """The data files whose bytes are a staging image as it is (see :class:`FileImage`)."""
+    tensors = {MODEL_FILE: staged.model, OPTIMIZER_FILE: staged.training_tensors}
+    return {
+        name: image
+        for name, image in staged.images.items()
+        if name in tensors and image.holds(tensors[name])
+    }
+
+
+def _tensor_file(staged: StagedCheckpoint, name: str, tensors: dict[str, Any]) -> list[memoryview]:
+    image = file_images(staged).get(name)
+    if image is not None:
+        return [image.data]
+    return safetensors_chunks(tensors, TENSOR_FILE_METADATA)
 
 
 def cpu_capability() -> str:
@@ -128,6 +146,7 @@ def write_checkpoint_files(
     except OSError as exc:
         raise naming_step(exc, directory, staged.step) from exc
     contents = serialize_staged(staged)
+    images = file_images(staged)
     digests = _Hashers(contents, hash_workers) if hash_workers >= 1 else None
     inline: dict[str, Hasher] = {}
     files: list[dict[str, Any]] = []
@@ -136,7 +155,11 @@ def write_checkpoint_files(
             halfway = _fault_halfway(staged.step) if name == OPTIMIZER_FILE else None
             digest = inline[name] = new_hasher(FILE_DIGEST, threads=hash_threads)
             size = write_chunks_durably(
-                directory / name, chunks, halfway=halfway, digest=None if digests else digest
+                directory / name,
+                chunks,
+                halfway=halfway,
+                digest=None if digests else digest,
+                image=images.get(name),
             )
             files.append({"name": name, "size": size})
     except OSError as exc:
@@ -301,6 +324,49 @@ def write_chunks_direct(
     return size
 
 
+def write_image_direct(
+    fd: int,
+    image: FileImage,
+    halfway: Callable[[], None] | None,
+    digest: Hasher | None = None,
+) -> int:
+    """Like :func:`write_chunks_direct`, from a file image: its slices are written as they
+    lie, with no bounce buffer to gather them into (the image is block-aligned and its last
+    block padded with zeros). Each slice is hashed (up to the file's end) before it is
+    handed to the write thread, so the hashing of the next overlaps the write of this one.
+    """
+    size = image.size
+    end = block_ceil(size)
+    half = size // 2 // DIRECT_ALIGN * DIRECT_ALIGN if halfway is not None else -1
+    in_flight: deque[Future[None]] = deque()
+    # Leaving the block waits for every write submitted, after an error too.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write") as disk:
+        at = 0
+        while at < end:
+            stop = min(end, at + _DIRECT_BUFFER)
+            if at < half:
+                stop = min(stop, half)  # the halfway hook sees exactly the first half
+            if digest is not None and at < size:
+                digest.update(image.buffer[at : min(stop, size)])
+            in_flight.append(disk.submit(_pwrite_all, fd, image.buffer[at:stop], at))
+            at = stop
+            # A failed write is raised before much more is hashed.
+            while len(in_flight) >= _BOUNCE_BUFFERS:
+                in_flight.popleft().result()
+            if at == half and halfway is not None:
+                while in_flight:
+                    in_flight.popleft().result()
+                halfway()
+                halfway = None
+        while in_flight:
+            in_flight.popleft().result()
+    if end != size:
+        os.ftruncate(fd, size)
+    if halfway is not None:
+        halfway()
+    return size
+
+
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
@@ -316,13 +382,22 @@ def write_chunks_durably(
     *,
     halfway: Callable[[], None] | None = None,
     digest: Hasher | None = None,
+    image: FileImage | None = None,
 ) -> int:
+    """Create ``path``, write ``chunks`` into it and fsync it; returns the size.
+
+    With ``image``, the chunks are that image's bytes, and an O_DIRECT write takes them from
+    it as they lie. A write(2) or fsync(2) error names the file and keeps its errno.
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         # Set after the create, not in open(2): an open refused for O_DIRECT could leave the
         # file created, and O_EXCL would then refuse the buffered retry.
         if sum(len(c) for c in chunks) >= DIRECT_MIN_BYTES and use_direct_io(fd):
-            size = write_chunks_direct(fd, chunks, halfway, digest)
+            if image is not None:
+                size = write_image_direct(fd, image, halfway, digest)
+            else:
+                size = write_chunks_direct(fd, chunks, halfway, digest)
         else:
             size = write_chunks(fd, chunks, halfway, digest)
         os.fsync(fd)
