@@ -570,30 +570,44 @@ def test_resume_keeps_no_copy_of_the_live_state_when_the_weights_pass_their_prob
     assert _steps(resumed, data, 4) == expected
 
 
+def _image(tensors: dict[str, torch.Tensor]) -> FileImage:
+    """A file image of ``tensors``, filled as staging fills it."""
+    image = FileImage(tensors, TENSOR_FILE_METADATA)
+    for name, tensor in tensors.items():
+        image.tensors[name].copy_(tensor)
+    return image
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["gathered", "image"])
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 def test_large_files_are_written_byte_for_byte_and_the_fault_hook_sees_half(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool, image: bool
 ) -> None:
-    """Large files go through an aligned bounce buffer with O_DIRECT: chunks of odd sizes end
-    up byte for byte in the file (the padded last block truncated away), and the halfway hook
-    runs with the first half (whole blocks) on disk, as on the buffered path. The digest fed
-    while writing is the digest of the file."""
+    """Large files are written with O_DIRECT: a staged file image as it lies, or chunks of odd
+    sizes gathered into aligned bounce buffers. Either way they end up byte for byte in the
+    file (the padded last block truncated away), and the halfway hook runs with the first
+    half (whole blocks) on disk, as on the buffered path. The digest fed while writing is the
+    digest of the file."""
     if not direct:
         monkeypatch.setattr(checkpoint_writer, "use_direct_io", lambda fd: False)
     calls: list[int] = []
-    real = checkpoint_writer.write_chunks_direct
-    monkeypatch.setattr(
-        checkpoint_writer,
-        "write_chunks_direct",
-        lambda fd, *args: calls.append(fd) or real(fd, *args),
-    )
+    writer = "write_image_direct" if image else "write_chunks_direct"
+    real = getattr(checkpoint_writer, writer)
+    monkeypatch.setattr(checkpoint_writer, writer, lambda fd, *a: calls.append(fd) or real(fd, *a))
     generator = torch.Generator().manual_seed(0)
     sizes = [13, 4096, 7 * 1024 * 1024 + 5, 1, 9 * 1024 * 1024 + 4093, 300_001]
-    chunks = [
-        memoryview(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator).numpy())
-        for n in sizes
-    ]
+    tensors = {
+        f"t{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
+        for i, n in enumerate(sizes)
+    }
+    tensors["f"] = torch.randn(1001, generator=generator)  # laid out first: 4-byte elements
+    chunks = safetensors_chunks(tensors, TENSOR_FILE_METADATA)
     expected = b"".join(bytes(c) for c in chunks)
+    staged = _image(tensors) if image else None
+    if staged is not None:
+        assert bytes(staged.data) == expected and staged.size % 4096 != 0
+        assert not any(staged.buffer[staged.size :])  # the padding O_DIRECT writes is zeros
+        chunks = [staged.data]
     path = tmp_path / "big.safetensors"
     seen: list[int] = []
 
@@ -602,7 +616,9 @@ def test_large_files_are_written_byte_for_byte_and_the_fault_hook_sees_half(
         assert path.read_bytes() == expected[: seen[-1]]
 
     digest = blake3.blake3()
-    written = checkpoint_writer.write_chunks_durably(path, chunks, halfway=halfway, digest=digest)
+    written = checkpoint_writer.write_chunks_durably(
+        path, chunks, halfway=halfway, digest=digest, image=staged
+    )
     assert written == len(expected)
     assert path.read_bytes() == expected
     assert digest.hexdigest() == blake3.blake3(expected).hexdigest()  # hashed inline, no padding
@@ -640,60 +656,6 @@ def test_o_direct_writes_run_beside_the_gathering_and_their_error_keeps_its_errn
         checkpoint_writer.write_chunks_durably(path, chunks)
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
     assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-write")]
-
-
-def _image(tensors: dict[str, torch.Tensor]) -> FileImage:
-    """A file image of ``tensors``, filled as staging fills it."""
-    image = FileImage(tensors, TENSOR_FILE_METADATA)
-    for name, tensor in tensors.items():
-        image.tensors[name].copy_(tensor)
-    return image
-
-
-@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
-def test_a_file_image_is_written_as_it_lies_byte_for_byte_and_the_fault_hook_sees_half(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
-) -> None:
-    """A staged file image is the safetensors file the chunks make, laid out in aligned
-    memory: with O_DIRECT it is written from there, slice by slice (its zero padding
-    truncated away); the halfway hook sees the first half in whole blocks; the digest fed
-    while writing is the file's."""
-    if not direct:
-        monkeypatch.setattr(checkpoint_writer, "use_direct_io", lambda fd: False)
-    calls: list[int] = []
-    real = checkpoint_writer.write_image_direct
-    monkeypatch.setattr(
-        checkpoint_writer,
-        "write_image_direct",
-        lambda fd, *args: calls.append(fd) or real(fd, *args),
-    )
-    generator = torch.Generator().manual_seed(0)
-    sizes = [13, 4096, 7 * 1024 * 1024 + 5, 1, 9 * 1024 * 1024 + 4093, 300_001]
-    tensors = {
-        f"t{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
-        for i, n in enumerate(sizes)
-    }
-    tensors["f"] = torch.randn(1001, generator=generator)  # laid out first: 4-byte elements
-    image = _image(tensors)
-    expected = b"".join(bytes(c) for c in safetensors_chunks(tensors, TENSOR_FILE_METADATA))
-    assert bytes(image.data) == expected and image.size % 4096 != 0
-    assert not any(image.buffer[image.size :])  # the padding O_DIRECT writes is zeros
-    path = tmp_path / "big.safetensors"
-    seen: list[int] = []
-
-    def halfway() -> None:
-        seen.append(path.stat().st_size)
-        assert path.read_bytes() == expected[: seen[-1]]
-
-    digest = blake3.blake3()
-    written = checkpoint_writer.write_chunks_durably(
-        path, [image.data], halfway=halfway, digest=digest, image=image
-    )
-    assert written == len(expected)
-    assert path.read_bytes() == expected
-    assert digest.hexdigest() == blake3.blake3(expected).hexdigest()
-    assert len(calls) == (1 if direct else 0)
-    assert len(seen) == 1 and 0 <= len(expected) // 2 - seen[0] < (4096 if direct else 1)
 
 
 def test_a_failed_write_of_a_file_image_keeps_its_errno_and_names_the_file(
