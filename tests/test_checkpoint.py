@@ -671,12 +671,13 @@ def test_a_failed_write_of_a_file_image_keeps_its_errno_and_names_the_file(
         return real(fd, data, offset)
 
     monkeypatch.setattr(checkpoint_writer.os, "pwrite", pwrite)
+    monkeypatch.setattr(checkpoint_writer, "_IMAGE_SLICE", 16 * 1024 * 1024)
     image = _image({"data": torch.arange(20 * 1024 * 1024, dtype=torch.int32)})  # 80 MiB
     path = tmp_path / "full.safetensors"
     with pytest.raises(OSError) as raised:
         checkpoint_writer.write_chunks_durably(path, [image.data], image=image)
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
-    assert len(writes) < 3 + 3  # stopped within the writes in flight
+    assert len(writes) <= 3 + 1  # stopped within the writes in flight
     assert not [t for t in threading.enumerate() if t.name.startswith("checkpoint-write")]
 
 

@@ -58,6 +58,7 @@ _DIRECT_BUFFER = 16 * 1024 * 1024  # an aligned bounce buffer the chunks are gat
 # copy holds the GIL long (memoryview assignment keeps it; the write thread needs it between
 # writes).
 _GATHER_SLICE = 1024 * 1024
+_IMAGE_SLICE = 64 * 1024 * 1024  # per pwrite(2) from a file image (write_image_direct)
 _BOUNCE_BUFFERS = 3  # one being filled and hashed, one being written, one waiting to be
 # Kept across writes (an async writer and the trainer may write at once): mapped once per process.
 _bounce_buffers = BufferPool(keep=2 * _BOUNCE_BUFFERS)
@@ -332,8 +333,12 @@ def write_image_direct(
 ) -> int:
     """Like :func:`write_chunks_direct`, from a file image: its slices are written as they
     lie, with no bounce buffer to gather them into (the image is block-aligned and its last
-    block padded with zeros). Each slice is hashed (up to the file's end) before it is
-    handed to the write thread, so the hashing of the next overlaps the write of this one.
+    block padded with zeros).
+
+    The image does not change while it is written, so each slice is handed to the write
+    thread first and hashed (up to the file's end) while the disk writes it: the disk starts
+    at once and never waits for the hash. Slices are as large as the raw floor's writes
+    (64 MiB): the kernel splits each into requests the disk has in flight together.
     """
     size = image.size
     end = block_ceil(size)
@@ -343,15 +348,16 @@ def write_image_direct(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write") as disk:
         at = 0
         while at < end:
-            stop = min(end, at + _DIRECT_BUFFER)
+            stop = min(end, at + _IMAGE_SLICE)
             if at < half:
                 stop = min(stop, half)  # the halfway hook sees exactly the first half
+            in_flight.append(disk.submit(_pwrite_all, fd, image.buffer[at:stop], at))
             if digest is not None and at < size:
                 digest.update(image.buffer[at : min(stop, size)])
-            in_flight.append(disk.submit(_pwrite_all, fd, image.buffer[at:stop], at))
             at = stop
-            # A failed write is raised before much more is hashed.
-            while len(in_flight) >= _BOUNCE_BUFFERS:
+            # One slice written, the next queued behind it; a failed write is raised before
+            # much more is hashed.
+            while len(in_flight) > 1:
                 in_flight.popleft().result()
             if at == half and halfway is not None:
                 while in_flight:
