@@ -92,8 +92,8 @@ def test_staging_copies_into_the_same_file_images_every_save(tmp_path: Path) -> 
         manager.save_async(state)
         images = manager._buffers._images
         pointers.append(
-            {name: {k: t.data_ptr() for k, t in image.tensors.items()} for name, image in images.items()}
-        )  # fmt: skip
+            {name: {k: t.data_ptr() for k, t in im.tensors.items()} for name, im in images.items()}
+        )
     manager.wait()
     assert pointers[0] == pointers[1] == pointers[2]
     assert set(pointers[0]) == {MODEL_FILE, OPTIMIZER_FILE}
