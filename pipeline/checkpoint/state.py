@@ -40,10 +40,13 @@ import torch
 from torch import nn
 
 from pipeline.checkpoint.codec import decode_state, encode_state
-from pipeline.checkpoint.layout import MODEL_FILE, OPTIMIZER_FILE, TENSOR_FILE_METADATA
+from pipeline.checkpoint.layout import MODEL_FILE, OPTIMIZER_FILE, PROBE_FILE, TENSOR_FILE_METADATA
 from pipeline.checkpoint.tensorfile import FileImage
 
 STATE_FORMAT_VERSION = 1
+# A staging buffer's key: the tensor's name in its file, after its file's prefix (the model's
+# and the probe's names may repeat those of the optimizer file).
+_STAGING_KEY_PREFIX = {MODEL_FILE: "model.", OPTIMIZER_FILE: "", PROBE_FILE: "probe."}
 
 
 @runtime_checkable
@@ -355,7 +358,8 @@ def capture_checkpoint(
             tensor.record_stream(stream)
         return copy
 
-    def host(file: str, name: str, key: str, tensor: torch.Tensor, *, later: bool) -> torch.Tensor:
+    def host(file: str, name: str, tensor: torch.Tensor, *, later: bool) -> torch.Tensor:
+        key = _STAGING_KEY_PREFIX[file] + name
         tensor = tensor.detach()
         if alias_cpu and tensor.device.type == "cpu" and tensor.is_contiguous():
             return tensor
@@ -376,13 +380,12 @@ def capture_checkpoint(
     probe_inputs = _to_host(state.probe_inputs)
     logits = probe_logits(state.model, probe_inputs) if run_probe else torch.empty(0)
     if logits.device.type == "cuda" and buffers is not None:
-        devices.add(logits.device)
-        logits = buffers.copy("probe.logits", logits.contiguous(), non_blocking=True)
+        logits = host(PROBE_FILE, "logits", logits.contiguous(), later=False)
     else:
         logits = _to_host(logits)
     live_model = state.model.state_dict()
     staged_model = {
-        k: host(MODEL_FILE, k, f"model.{k}", v, later=False)
+        k: host(MODEL_FILE, k, v, later=False)
         for k, v in live_model.items()
         if v.data_ptr() not in stable
     }
@@ -393,18 +396,18 @@ def capture_checkpoint(
             document, tensors = encode_state(part.state_dict(), name)
             encoded[name] = (
                 document,
-                {k: host(OPTIMIZER_FILE, k, k, v, later=False) for k, v in tensors.items()},
+                {k: host(OPTIMIZER_FILE, k, v, later=False) for k, v in tensors.items()},
             )
     # The bulk: the parameters first, whose copies run while the optimizer's state is encoded;
     # that state changes only in optimizer.step(), like the parameters.
     staged_model.update(
-        {k: host(MODEL_FILE, k, f"model.{k}", v, later=True) for k, v in live_model.items()
+        {k: host(MODEL_FILE, k, v, later=True) for k, v in live_model.items()
          if v.data_ptr() in stable}
     )  # fmt: skip
     document, tensors = encode_state(parts["optimizer"].state_dict(), "optimizer")
     encoded["optimizer"] = (
         document,
-        {k: host(OPTIMIZER_FILE, k, k, v, later=defer_stable) for k, v in tensors.items()},
+        {k: host(OPTIMIZER_FILE, k, v, later=defer_stable) for k, v in tensors.items()},
     )
     model_tensors = {k: staged_model[k] for k in live_model}
     components = {name: encoded[name][0] for name in parts}

@@ -80,12 +80,19 @@ class WrittenCheckpoint:
 def serialize_staged(staged: StagedCheckpoint) -> dict[str, list[memoryview]]:
     """Every data file as the buffers it is made of, by name; equal state gives equal bytes.
 
-    The buffers alias the staged tensors: nothing is copied until the bytes reach the disk.
+    The buffers alias the staged tensors (or are their file image): nothing is copied until
+    the bytes reach the disk.
     """
+    return _serialize(staged, file_images(staged))
+
+
+def _serialize(
+    staged: StagedCheckpoint, images: dict[str, FileImage]
+) -> dict[str, list[memoryview]]:
     trainer_state = json.dumps(staged.trainer_state, sort_keys=True, indent=1).encode()
     return {
-        MODEL_FILE: _tensor_file(staged, MODEL_FILE, staged.model),
-        OPTIMIZER_FILE: _tensor_file(staged, OPTIMIZER_FILE, staged.training_tensors),
+        MODEL_FILE: _tensor_file(images.get(MODEL_FILE), staged.model),
+        OPTIMIZER_FILE: _tensor_file(images.get(OPTIMIZER_FILE), staged.training_tensors),
         TRAINER_STATE_FILE: [memoryview(trainer_state)],
         PROBE_FILE: safetensors_chunks(
             staged.probe,
@@ -110,8 +117,7 @@ def file_images(staged: StagedCheckpoint) -> dict[str, FileImage]:
     }
 
 
-def _tensor_file(staged: StagedCheckpoint, name: str, tensors: dict[str, Any]) -> list[memoryview]:
-    image = file_images(staged).get(name)
+def _tensor_file(image: FileImage | None, tensors: dict[str, Any]) -> list[memoryview]:
     if image is not None:
         return [image.data]
     return safetensors_chunks(tensors, TENSOR_FILE_METADATA)
@@ -146,8 +152,8 @@ def write_checkpoint_files(
         directory.mkdir(parents=True, exist_ok=False)
     except OSError as exc:
         raise naming_step(exc, directory, staged.step) from exc
-    contents = serialize_staged(staged)
     images = file_images(staged)
+    contents = _serialize(staged, images)
     digests = _Hashers(contents, hash_workers) if hash_workers >= 1 else None
     inline: dict[str, Hasher] = {}
     files: list[dict[str, Any]] = []
