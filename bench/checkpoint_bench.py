@@ -65,7 +65,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import blake3
 import torch
@@ -104,6 +104,7 @@ from pipeline.checkpoint.writer import serialize_staged
 from pipeline.determinism import use_deterministic_kernels
 
 WIDTH, DEPTH, BATCH = 4096, 5, 16
+T = TypeVar("T")
 _SLICE = 64 * 1024 * 1024
 
 
@@ -638,7 +639,7 @@ def peers_side_by_side(
 
     sides = [tracks_round, *(peer_round(peer) for peer in peers)]
     for index in range(args.repeats):
-        for side in _rotated(index, sides):
+        for side in rotated(index, sides):
             side()
     for figure in (tracks_sync, tracks_async, *figures.values()):
         say(f"(e) {figure.name}: save {_fmt(figure.save)}; stall {_fmt(figure.stall)}"
@@ -735,7 +736,7 @@ def training_side_by_side(
           for peer, figure in zip(peers, peer_figures, strict=True)),
     ]  # fmt: skip
     for index in range(args.repeats):
-        for side in _rotated(index, sides):
+        for side in rotated(index, sides):
             side()
     say(f"(d) without saves {_fmt(plain, 1, 'steps/s')}")
     for figure in rows:
@@ -800,7 +801,7 @@ def sha256_speed() -> float:
     return len(data) / seconds
 
 
-def _rotated(index: int, sides: list[Callable[[], None]]) -> list[Callable[[], None]]:
+def rotated(index: int, sides: list[T]) -> list[T]:
     """Repeat ``index`` starts one side later than the one before: no side always runs first,
     or always right after the same neighbour's writeback."""
     shift = index % len(sides)
