@@ -4,7 +4,8 @@ These run only where CUDA is: CI has no GPU, and nothing else in the suite depen
 GPU they check what the CPU tests cannot: that the parameters and optimizer state are copied on
 a side stream after the last ``optimizer.step()`` (an event orders it), that the next
 ``optimizer.step()`` waits for those copies on the device while the host goes on, and that the
-checkpoint holds the state of its step, not a later one.
+checkpoint holds the state of its step, not a later one; and that a resume reads the
+checkpoint's bytes straight into the live tensors on the GPU.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.checkpoint import TrainingState, checkpoint_dirs, load_checkpoint
+from pipeline.checkpoint import TrainingState, checkpoint_dirs, direct_io, load_checkpoint, verify
+from pipeline.checkpoint import manager as manager_module
 from pipeline.checkpoint.codec import encode_state
 from pipeline.checkpoint.state import StagingBuffers
+from pipeline.checkpoint.verify import read_verified_into
 from tests.test_checkpoint import _manager
+from tests.test_checkpoint_read import _tensors, _write
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)"
@@ -150,3 +154,52 @@ def test_optimizer_step_waits_for_the_copies_on_the_gpu_while_the_host_goes_on(
     assert staging_wait < 0.5
     _assert_holds(checkpoint_dirs(manager.run_dir)[0], expected)
     assert not all(torch.equal(v, expected[k]) for k, v in _snapshot(state).items())
+
+
+def test_a_file_is_read_straight_into_gpu_tensors_byte_for_byte_across_block_edges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(direct_io, "READ_BLOCK", 8192)
+    monkeypatch.setattr(verify, "DIRECT_MIN_BYTES", 64 * 1024)
+    tensors = _tensors()
+    listed = _write(tmp_path / "model.safetensors", tensors)
+    into = {n: torch.zeros_like(t, device="cuda") for n, t in tensors.items() if n != "half"}
+    pointers = {n: t.data_ptr() for n, t in into.items()}
+    read = read_verified_into(tmp_path, listed, into)
+    assert read.in_place and not read.whole  # "half" has no destination: spilled on the host
+    assert read.tensors["half"].device.type == "cpu"
+    for name, tensor in tensors.items():
+        assert torch.equal(read.tensors[name].cpu(), tensor), name
+        if name in into:
+            assert read.tensors[name].data_ptr() == pointers[name]
+
+
+def test_resume_onto_a_gpu_reads_into_the_live_tensors_without_a_rollback_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = _cuda_state()
+    for _ in range(3):
+        _step(state)
+    expected = _snapshot(state)
+    _manager(tmp_path).save(state)
+    resumed = _cuda_state()
+    _step(resumed)  # Adam's moments exist to be read into
+    pointers = {k: v.data_ptr() for k, v in _live(resumed).items() if v.is_cuda}
+
+    def no_rollback_copy(*args: object, **kwargs: object) -> None:
+        raise AssertionError("resume copied the live state although it read into it")
+
+    monkeypatch.setattr(manager_module, "stage_checkpoint", no_rollback_copy)
+    info = _manager(tmp_path, attempt=2).resume(resumed)
+    assert info is not None and info.step == 3 and resumed.step == 3
+    after = _live(resumed)
+    assert {k: after[k].data_ptr() for k in pointers} == pointers
+    assert after.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(after[key], tensor), key
+
+
+def _live(state: TrainingState) -> dict[str, torch.Tensor]:
+    """The live tensors themselves, as the checkpoint names them (not clones)."""
+    _, training = encode_state(state.optimizer.state_dict(), "optimizer")
+    return {**state.model.state_dict(), **training}

@@ -89,6 +89,21 @@ def test_tensors_land_in_place_byte_for_byte_across_block_edges(
     assert whole.numpy().tobytes() == (tmp_path / "model.safetensors").read_bytes()
 
 
+def test_a_destination_on_a_device_bytes_cannot_be_copied_to_is_spilled_instead(
+    tmp_path: Path, small_blocks: list[bool]
+) -> None:
+    """A copy into a meta tensor succeeds and keeps nothing: read into, it would lose the bytes."""
+    tensors = _tensors()
+    listed = _write(tmp_path / "model.safetensors", tensors)
+    into = {"big": torch.empty(300_001, device="meta"), "half": torch.zeros(1023).half()}
+    read = read_verified_into(tmp_path, listed, into)
+    assert read.in_place and not read.whole
+    assert read.tensors["big"].device.type == "cpu"
+    assert torch.equal(read.tensors["big"], tensors["big"])
+    assert read.tensors["half"].data_ptr() == into["half"].data_ptr()
+    assert torch.equal(into["half"], tensors["half"])
+
+
 @pytest.mark.parametrize("change", ["longer", "shorter"])
 def test_a_file_whose_size_changed_is_refused_and_no_reader_is_left_behind(
     tmp_path: Path, small_blocks: list[bool], change: str

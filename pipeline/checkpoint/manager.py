@@ -515,18 +515,20 @@ class CheckpointManager:
 
         Each candidate is checked against the run first (its ``trainer_state.json`` alone:
         config, run, data), then its tensors are read straight into the live ones where they
-        match (CPU: the model's parameters and buffers, the optimizer's moments once they
-        exist). A resume then maps no fresh memory for them and copies nothing afterwards:
-        on a VM, first touching a gigabyte of fresh pages costs more CPU than reading it.
+        match (the model's parameters and buffers, the optimizer's moments once they exist, on
+        the CPU or a GPU). A resume then maps no fresh memory for them and copies nothing
+        afterwards: on a VM, first touching a gigabyte of fresh pages costs more CPU than
+        reading it, and a GPU's tensors get each block as it is read and hashed.
         The price is that a candidate failing after its bytes were read (a digest, a probe)
         leaves the live state changed. An older candidate that restores overwrites all of it
         (model strictly, optimizer state whole); when none does, this raises
         :class:`RestoreDivergedError` instead of returning a state that is neither, and the
         trainer builds its initial state again from the seed.
 
-        Tensors not read in place (a model on a GPU) keep the rollback copy: a copy of the
-        live state before the first restore, skipped when the candidate's weights already
-        reproduce its probe logits outside the model.
+        When nothing could be read in place (no live tensor matched, or they live on another
+        kind of device), the live state keeps the rollback copy: a copy of it made before the
+        first restore, skipped when the candidate's weights already reproduce its probe logits
+        outside the model.
         """
         fresh: StagedCheckpoint | None = None
         changed: tuple[Path, Exception] | None = None

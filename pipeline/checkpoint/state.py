@@ -467,15 +467,11 @@ def capture_checkpoint(
 
 
 def live_tensors(state: TrainingState) -> dict[str, dict[str, torch.Tensor]]:
-    """The live CPU tensors a checkpoint's tensor files can be read straight into, by file and
-    by the names the files use: the model's state_dict, and the optimizer's state (its moments
-    exist once it has stepped; before that it holds none)."""
-    model = {k: v for k, v in state.model.state_dict().items() if v.device.type == "cpu"}
+    """The live tensors a checkpoint's tensor files can be read straight into, on whatever
+    device they live, by file and by the names the files use: the model's state_dict, and the
+    optimizer's state (its moments exist once it has stepped; before that it holds none)."""
     _, optimizer = encode_state(state.optimizer.state_dict(), "optimizer")
-    return {
-        MODEL_FILE: model,
-        OPTIMIZER_FILE: {k: v for k, v in optimizer.items() if v.device.type == "cpu"},
-    }
+    return {MODEL_FILE: state.model.state_dict(), OPTIMIZER_FILE: optimizer}
 
 
 def restore_training_state(

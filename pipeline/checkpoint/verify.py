@@ -489,8 +489,8 @@ def read_verified_into(
     threads: int = 1,
 ) -> ParsedInPlace:
     """Read a safetensors file once, each tensor straight into ``destinations[name]`` when that
-    is a contiguous CPU tensor of the same dtype and shape, the rest into one fresh buffer;
-    every byte hashed in file order and compared with MANIFEST.json at the end.
+    is a contiguous CPU or CUDA tensor of the same dtype and shape, the rest into one fresh
+    host buffer; every byte hashed in file order and compared with MANIFEST.json at the end.
 
     The header is read (and hashed) first and decides where the bytes go, before it is
     verified, so it is held to the same rules as when parsed: a destination receives exactly
@@ -577,7 +577,9 @@ def _scatter(
 ) -> int:
     """Copy ``source``, the data section's bytes from ``at`` on, into the segments that hold
     them (in file order, from index ``segment``); returns the segment the next byte goes to.
-    torch's copy releases the GIL: the other file's reader and hasher keep running."""
+    torch's copy releases the GIL: the other file's reader and hasher keep running. Into a
+    GPU tensor it is a host-to-device copy from pageable memory, which returns only once the
+    bytes have left ``source`` (the reader then reuses that block)."""
     done = 0
     while done < len(source):
         start, end, target = segments[segment]
@@ -588,6 +590,11 @@ def _scatter(
         if at == end:
             segment += 1
     return segment
+
+
+# Where a destination may live to be read into: a copy_ into a meta tensor, say, would drop
+# the bytes without a word.
+_READ_INTO_DEVICES = frozenset({"cpu", "cuda"})
 
 
 @dataclass
@@ -622,7 +629,7 @@ def _plan(
         target = destinations.get(entry.name)
         if (
             target is not None
-            and target.device.type == "cpu"
+            and target.device.type in _READ_INTO_DEVICES
             and target.dtype == entry.dtype
             and tuple(target.shape) == entry.shape
             and target.is_contiguous()
