@@ -84,9 +84,63 @@ def test_redact_urls_and_text() -> None:
     assert "secret" not in redact.url("http://h/x?token=secret&a=1")
 
 
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        # Unencoded passwords holding what ends a URL's netloc for urlsplit.
+        ("postgresql://u:pa/SECRET@db/x", "postgresql://u:***@db/x"),
+        ("postgresql://u:p#SECRET@db/x", "postgresql://u:***@db/x"),
+        ("postgresql://u:p@SECRET@db:5432/x", "postgresql://u:***@db:5432/x"),
+        # An '@' after the host stays: only the password goes.
+        ("postgresql://u:SECRET@db/x?email=a@b.org", "postgresql://u:***@db/x?email=a@b.org"),
+        ("redis://:SECRET@localhost:6379/0", "redis://:***@localhost:6379/0"),
+        # Query parameters whose name says secret, wherever the word sits in it.
+        (
+            "sqlite:////t/l.db?uri=true&sslpassword=SECRET",
+            "sqlite:////t/l.db?uri=true&sslpassword=***",
+        ),
+        ("https://h/x?access_token=SECRET&a=1", "https://h/x?access_token=***&a=1"),
+        ("https://h/x?client_secret=SECRET", "https://h/x?client_secret=***"),
+        # Nothing to hide: unchanged.
+        ("http://host:8080/path", "http://host:8080/path"),
+        ("sqlite:////tmp/x.db", "sqlite:////tmp/x.db"),
+    ],
+)
+def test_redaction_masks_the_whole_password_and_only_it(raw: str, shown: str) -> None:
+    assert redact.url(raw) == shown
+    # A secret ends at whitespace: a quote after it might be part of it, and is masked too.
+    assert redact.text(f"could not connect to {raw} (refused)") == (
+        f"could not connect to {shown} (refused)"
+    )
+
+
 def test_yaml_duplicate_keys_refused(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("lr: 0.1\nseed: 1\nlr: 0.2\n")
     with pytest.raises(yamlio.YamlError, match=r"c.yaml.*duplicate key 'lr' \(first on line 1\)"):
         yamlio.load_file(path)
     assert yamlio.loads("a: {b: 1}") == {"a": {"b": 1}}
+
+
+def test_a_long_message_is_redacted_before_it_is_cut() -> None:
+    """Cut first, a URL loses its '@' and no longer looks like one: its password would show."""
+    from pipeline.cli import _one_line
+    from pipeline.trainer.train import classify_exception
+
+    error = RuntimeError("x" * 570 + " postgresql://tracks:SECRETPASSWORD@db/ledger")
+    assert "SECRETPAS" not in _one_line(error)
+    assert "SECRETPAS" not in classify_exception(error, step=3).detail
+
+
+def test_trainer_events_are_redacted_on_stdout() -> None:
+    import io
+    import json
+
+    from pipeline.trainer.reporting import StdoutReporter
+
+    stream = io.StringIO()
+    StdoutReporter(stream).event(
+        "error", {"traceback": ["at postgresql://u:SECRET@db/x", {"url": "https://h?token=T0K"}]}
+    )
+    line = json.loads(stream.getvalue())
+    assert line["traceback"] == ["at postgresql://u:***@db/x", {"url": "https://h?token=***"}]

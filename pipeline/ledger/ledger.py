@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from pipeline import ids
+from pipeline import ids, redact
 from pipeline.ledger import schema
 from pipeline.ledger.errors import (
     SnapshotManifestChangedError,
@@ -527,7 +527,8 @@ class Ledger:
             "ended_at": utcnow(),
             "status": str(status),
             "termination_reason": str(termination_reason),
-            "termination_detail": termination_detail,
+            # The sentence may quote an error that quotes a URL: stored without its password.
+            "termination_detail": redact.text(termination_detail),
             "exit_code": exit_code,
             "signal": signal,
             "gpu_seconds": gpu_seconds,
@@ -710,7 +711,9 @@ class Ledger:
                 conn.execute(
                     sa.update(t)
                     .where(t.c.path == path, t.c.run_id == run_id)
-                    .values(state=str(state), state_detail=detail)
+                    .values(
+                        state=str(state), state_detail=redact.text(detail) if detail else detail
+                    )
                 ).rowcount
             )
         )
@@ -940,8 +943,6 @@ class Ledger:
 
 
 def _first(exc: BaseException) -> str:
-    from pipeline import redact
-
     lines = str(getattr(exc, "orig", exc)).strip().splitlines()
     return redact.text(lines[0] if lines else type(exc).__name__)
 

@@ -12,6 +12,8 @@ import json
 import sys
 from typing import Any, Protocol
 
+from pipeline import redact
+
 STEP = "step"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 
@@ -53,7 +55,7 @@ class StdoutReporter:
         self._emit({"event": CHECKPOINT_COMMITTED, **fields})
 
     def event(self, name: str, fields: dict[str, Any], level: str = "info") -> None:
-        self._emit({"event": name, "level": level, **fields})
+        self._emit({"event": name, "level": level, **redacted(fields)})
 
     def close(self) -> None:
         if not self._broken:
@@ -80,10 +82,22 @@ class PipesReporter:
 
     def event(self, name: str, fields: dict[str, Any], level: str = "info") -> None:
         log = getattr(self._context.log, level if level in ("warning", "error") else "info")
-        log(f"{name}: {json.dumps(fields, default=str, sort_keys=True)}")
+        log(f"{name}: {json.dumps(redacted(fields), default=str, sort_keys=True)}")
 
     def close(self) -> None:
         self._context.close()
+
+
+def redacted(value: Any) -> Any:
+    """``value`` with every string in it redacted: an event's fields carry error messages and
+    tracebacks, which may quote a URL with its password."""
+    if isinstance(value, str):
+        return redact.text(value)
+    if isinstance(value, dict):
+        return {key: redacted(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [redacted(item) for item in value]
+    return value
 
 
 def running_under_pipes() -> bool:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline import redact
 from pipeline.checkpoint import (
     CheckpointConfig,
     CheckpointInfo,
@@ -768,7 +769,8 @@ def classify_exception(exc: BaseException, *, step: int | None) -> Outcome:
     elif isinstance(exc, OSError) or _is_database_error(exc):
         reason, code = TerminationReason.INFRA_TRANSIENT, exit_codes.INFRA_TRANSIENT
     where = f" at step {step}" if step is not None else " before the first step"
-    message = " ".join(str(exc).split())[:600]
+    # Redacted before it is cut: a URL cut before its '@' would no longer look like one.
+    message = redact.text(" ".join(str(exc).split()))[:600]
     return Outcome(
         reason, code, f"{type(exc).__name__}{where}: {message}", step=step, exception=exc
     )
