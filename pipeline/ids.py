@@ -13,9 +13,9 @@ import re
 # Letters, digits, ``-``, ``_``, ``.`` inside; starts with a letter or digit, so no id is a
 # hidden file, ``.`` or ``..``; 128 characters leave room under every filesystem's 255-byte
 # name limit for the prefixes and suffixes Tracks adds.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SNAPSHOT = re.compile(r"^[a-z][a-z0-9_]{0,31}-[0-9a-f]{16}$")
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.parquet$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SNAPSHOT = re.compile(r"[a-z][a-z0-9_]{0,31}-[0-9a-f]{16}")
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.parquet")
 MAX_ID_LENGTH = 128
 
 
@@ -38,7 +38,8 @@ def _check(kind: str, value: object, pattern: re.Pattern[str], rule: str) -> str
         raise InvalidIdError(kind, value, "must be a string")
     if len(value) > MAX_ID_LENGTH:
         raise InvalidIdError(kind, value, f"longer than {MAX_ID_LENGTH} characters")
-    if not pattern.match(value) or ".." in value:
+    # fullmatch: "$" would also match before a trailing newline ("run\n" is no id).
+    if not pattern.fullmatch(value) or ".." in value:
         raise InvalidIdError(kind, value, rule)
     return value
 
@@ -78,7 +79,7 @@ def snapshot_id(value: object) -> str:
 
 
 def is_snapshot_id(value: object) -> bool:
-    return isinstance(value, str) and _SNAPSHOT.match(value) is not None
+    return isinstance(value, str) and _SNAPSHOT.fullmatch(value) is not None
 
 
 def landing_file_name(value: object) -> str:

@@ -30,7 +30,7 @@ from pipeline.trainer import exit_codes
 from tests.test_checkpoint import RUN_ID, _data, _manager, _save_at, _state
 
 REPO = Path(__file__).resolve().parent.parent
-BAD_RUN_IDS = ["../../x", "/tmp/abs", "", ".", "./victim", "a/b", "x" * 300]
+BAD_RUN_IDS = ["../../x", "/tmp/abs", "", ".", "./victim", "a/b", "x" * 300, "run\n"]
 
 
 @pytest.mark.parametrize("bad", BAD_RUN_IDS)
@@ -170,3 +170,39 @@ def test_landing_file_name_cannot_leave_the_landing_folder(tmp_path: Path) -> No
 
 def test_run_id_of_the_manager_matches_its_folder() -> None:
     assert ids.run_id(RUN_ID) == RUN_ID
+
+
+@pytest.mark.parametrize("dangling", [True, False], ids=["dangling", "to_a_file"])
+def test_instance_init_never_writes_through_a_symlinked_dagster_yaml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dangling: bool
+) -> None:
+    home, outside = tmp_path / "dagster", tmp_path / "outside.yaml"
+    home.mkdir()
+    if not dangling:
+        outside.write_text("precious: true\n")
+    (home / "dagster.yaml").symlink_to(outside)
+    monkeypatch.setenv("TRACKS_HOME", str(tmp_path / "tracks"))
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    for args in (["instance", "init"], ["instance", "init", "--postgres"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1, result.output
+        assert "dagster.yaml: is a symlink; Tracks does not follow links" in result.output
+    assert outside.exists() is not dangling
+    assert dangling or outside.read_text() == "precious: true\n"
+
+
+def test_a_landing_file_that_is_a_symlink_is_refused_not_snapshotted(tmp_path: Path) -> None:
+    from pipeline.data.landing import write_digits_landing
+    from pipeline.data.snapshot import create_snapshot
+
+    landing, secret = tmp_path / "landing", tmp_path / "secret.parquet"
+    write_digits_landing(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere" / "digits.parquet").rename(secret)
+    landing.mkdir()
+    (landing / "digits.parquet").symlink_to(secret)
+    result = CliRunner().invoke(main, ["snapshot-id", "--landing-dir", str(landing)])
+    assert result.exit_code == 1, result.output
+    assert "digits.parquet: is a symlink; Tracks does not follow links" in result.output
+    with pytest.raises(UnsafePathError, match="is a symlink"):
+        create_snapshot(landing, tmp_path / "snapshots")
+    assert not (tmp_path / "snapshots").exists() or not any((tmp_path / "snapshots").rglob("*"))

@@ -32,9 +32,9 @@ FORMAT = "tracks-checkpoint/1"
 # rank's RNG in ``rank-<rank>.json``, each rank's digests in ``digests-<rank>.json``.
 SHARDED_FORMAT = "tracks-checkpoint-sharded/1"
 DCP_METADATA_FILE = ".metadata"
-_DCP_SHARD_RE = re.compile(r"^__\d+_\d+\.distcp$")
+_DCP_SHARD_RE = re.compile(r"^__\d+_\d+\.distcp\Z")
 
-_DIR_RE = re.compile(r"^step-(?P<step>\d{10})-a(?P<attempt>\d{2,})$")
+_DIR_RE = re.compile(r"^step-(?P<step>\d{10})-a(?P<attempt>\d{2,})\Z")
 
 
 def is_dcp_file(name: str) -> bool:

@@ -77,7 +77,12 @@ def write_digits_landing(
 
 
 def landing_files(landing_dir: Path) -> list[Path]:
-    """The Parquet files under ``landing_dir`` in sorted order, skipping hidden and temp files."""
+    """The Parquet files under ``landing_dir`` in sorted order, skipping hidden and temp files.
+
+    A file reached through a symlink is refused (:class:`~pipeline.safepath.UnsafePathError`),
+    not skipped: a snapshot would otherwise copy bytes from outside the folder, or quietly
+    leave data out.
+    """
     landing_dir = Path(landing_dir)
     if not landing_dir.is_dir():
         return []
@@ -87,6 +92,7 @@ def landing_files(landing_dir: Path) -> list[Path]:
         # Dot- and underscore-prefixed names are in-flight writes (ours, Spark's _temporary).
         if any(part.startswith((".", "_")) for part in relative.parts):
             continue
+        safepath.no_symlinks(landing_dir, path)
         if path.is_file():
             found.append(path)
     return sorted(found, key=lambda p: p.relative_to(landing_dir).as_posix())

@@ -22,6 +22,7 @@ from typing import Any
 import pandas as pd
 import pyarrow.parquet as pq
 
+from pipeline import safepath
 from pipeline.data._fs import fsync_dir, fsync_file
 from pipeline.data.errors import (
     LandingChangedError,
@@ -310,7 +311,9 @@ def _copy_into(landing: LandingFile, data_dir: Path, snapshot_id: str) -> dict[s
     # writing would otherwise slip different bytes in under that id.
     digest = hashlib.sha256()
     size = 0
-    with open(landing.path, "rb") as source, open(target, "wb") as sink:
+    # Never through a link: the file may have been swapped for one since it was listed.
+    source_fd = safepath.open_regular_nofollow(landing.path)
+    with open(source_fd, "rb") as source, open(target, "wb") as sink:
         while chunk := source.read(_CHUNK):
             digest.update(chunk)
             sink.write(chunk)

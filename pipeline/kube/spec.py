@@ -37,19 +37,19 @@ RESERVED_ENV = frozenset(
 
 # RFC 1035 label: TrainJob and Service names must start with a letter (the Trainer's CEL rule
 # is ``^[a-z]([-a-z0-9]*[a-z0-9])?$``), which also makes it a valid DNS-1123 label.
-_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?\Z")
 _DNS_LABEL_MAX = 63
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?\Z")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 # A Kubernetes resource.Quantity: "500m", "16Gi", "1.5", "2e3".
 _QUANTITY = re.compile(
     r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$"
 )
 # A key in a Secret's data (Kubernetes' IsConfigMapKey): also a file name when mounted.
-_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
-_DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
-_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+\Z")
+_DIGEST = re.compile(r"@sha256:[0-9a-f]{64}\Z")
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
 # Names that say "this is a credential": their values must come from a Secret.
 _SECRET_NAME = re.compile(
     r"(?i)(PASSWORD|PASSWD|SECRET|TOKEN|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL)"

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # How often a running trainer tells the ledger it is alive (and the step it reached); drills
 # shorten it with TRACKS_HEARTBEAT_SECONDS so the receipt follows the steps closely.
 HEARTBEAT_SECONDS = float(os.environ.get("TRACKS_HEARTBEAT_SECONDS") or 5.0)
-_LAST_WORDS_RE = re.compile(r"^attempt-(\d+)(?:\.rank-\d+)?\.last_words\.json$")
+_LAST_WORDS_RE = re.compile(r"^attempt-(\d+)(?:\.rank-\d+)?\.last_words\.json\Z")
 
 
 @dataclass(frozen=True)
