@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -16,7 +15,8 @@ from typing import Any
 
 import click
 
-from pipeline import ids, redact
+from pipeline import ids, redact, safepath
+from pipeline.durable import replace_atomically
 from pipeline.settings import TracksSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -38,13 +38,23 @@ def _settings() -> TracksSettings:
 
 
 def _ledger(settings: TracksSettings):
+    from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+
     from pipeline.ledger import Ledger
 
-    return Ledger.open(settings.ledger_url)
+    try:
+        return Ledger.open(settings.ledger_url)
+    except (ArgumentError, NoSuchModuleError, DBAPIError) as exc:
+        # SQLAlchemy's own words name neither the variable nor the database.
+        raise click.ClickException(
+            f"cannot open the ledger at {redact.url(settings.ledger_url)} (TRACKS_LEDGER_URL): "
+            + _one_line(getattr(exc, "orig", None) or exc)
+        ) from None
 
 
 def _dagster_home(settings: TracksSettings) -> Path:
-    home = Path(os.environ.get("DAGSTER_HOME") or settings.home / "dagster")
+    # Absolute, as Dagster requires: a relative DAGSTER_HOME would be refused later, elsewhere.
+    home = Path(os.environ.get("DAGSTER_HOME") or settings.home / "dagster").resolve()
     os.environ["DAGSTER_HOME"] = str(home)
     return home
 
@@ -69,10 +79,11 @@ class TracksGroup(click.Group):
 
 
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
+    # Redacted before it is cut: a URL cut before its '@' would no longer look like one.
+    text = redact.text(" ".join(str(exc).split())) or type(exc).__name__
     if len(text) > 600:
         text = text[:600] + "…"
-    return redact.text(text)
+    return text
 
 
 class _IdType(click.ParamType):
@@ -90,18 +101,30 @@ class _IdType(click.ParamType):
 
 
 class PositiveNumber(click.ParamType):
-    """A finite number > 0: `--days -1`, `nan` and `inf` are usage errors, not empty answers."""
+    """A finite number > 0 and at most ``maximum``: `--days -1`, `nan`, `inf` and `1e10` are
+    usage errors, not empty answers or a date arithmetic overflow."""
 
     name = "positive number"
+
+    def __init__(self, maximum: float) -> None:
+        self.maximum = maximum
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         try:
             number = float(value)
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number", param, ctx)
-        if not math.isfinite(number) or number <= 0:
-            self.fail(f"{value!r} must be a finite number greater than 0", param, ctx)
+        if not math.isfinite(number) or not 0 < number <= self.maximum:
+            self.fail(
+                f"{value!r} must be a finite number greater than 0 and at most {self.maximum:g}",
+                param,
+                ctx,
+            )
         return number
+
+
+# A look back of a century covers every ledger; Python's dates end in the year 9999.
+DAYS = PositiveNumber(maximum=36_500)
 
 
 RUN_ID = _IdType("run id", ids.run_id)
@@ -165,11 +188,13 @@ def instance_init(postgres: bool) -> None:
 
 def _write_instance_yaml(home: Path, *, postgres: bool) -> None:
     home.mkdir(parents=True, exist_ok=True)
-    target = home / "dagster.yaml"
+    # A dagster.yaml that is a link (dangling or not) is refused, never written through: the
+    # file is replaced whole, so no reader sees half of it either.
+    target = safepath.under(home, "dagster.yaml")
     if postgres:
-        shutil.copyfile(REPO_ROOT / "deploy" / "dagster-postgres.yaml", target)
+        replace_atomically(target, (REPO_ROOT / "deploy" / "dagster-postgres.yaml").read_bytes())
     elif not target.exists():
-        target.write_text(LOCAL_INSTANCE_YAML)
+        replace_atomically(target, LOCAL_INSTANCE_YAML.encode())
 
 
 @main.command()
@@ -246,9 +271,7 @@ def demo(fresh_data: bool, nproc_per_node: int) -> None:
 
 @main.command()
 @click.option("--max-steps", default=120, show_default=True, type=click.IntRange(min=1))
-@click.option(
-    "--max-minutes", default=5.0, show_default=True, type=click.FloatRange(min=0, min_open=True)
-)
+@click.option("--max-minutes", default=5.0, show_default=True, type=PositiveNumber(maximum=24 * 60))
 def canary(max_steps: int, max_minutes: float) -> None:
     """The CI canary: real data and config under strict limits; non-zero exit on failure.
 
@@ -287,8 +310,10 @@ def explain_cmd(target: str, output: Path | None) -> None:
         raise click.BadParameter(f"folder {output.parent} does not exist", param_hint="--output")
     try:
         page = explain(_ledger(_settings()), target)
+    except ids.InvalidIdError as exc:
+        raise click.BadParameter(str(exc), param_hint="TARGET") from None
     except LedgerError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(_one_line(exc)) from None
     if output is not None:
         output.write_text(page)
     click.echo(page, nl=False)
@@ -306,9 +331,7 @@ def _reason_choices() -> list[str]:
 @click.option(
     "--status", type=click.Choice(["running", "succeeded", "failed"]), help="Attempt status."
 )
-@click.option(
-    "--since", "since_days", type=PositiveNumber(), help="Started within the last DAYS days."
-)
+@click.option("--since", "since_days", type=DAYS, help="Started within the last DAYS days.")
 @click.option("--run", "run_id", type=RUN_ID, help="Only this run's attempts.")
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 10_000))
 def attempts_cmd(
@@ -346,15 +369,15 @@ def attempts_cmd(
         click.echo(
             f"{a.key:<{width}}  {a.started_at:%Y-%m-%d %H:%M:%S}  "
             f"{a.termination_reason or a.status:<16}  {a.gpu_seconds / 3600:>7.2f}  "
-            f"{a.cpu_seconds / 3600:>7.3f}  {decided:<34}  {a.termination_detail or ''}"
+            f"{a.cpu_seconds / 3600:>7.3f}  {decided:<34}  "
+            # Rows written before details were redacted on the way in may quote a password.
+            f"{redact.text(a.termination_detail or '')}"
         )
 
 
 @main.command("cost")
 @click.option("--family", required=True, type=FAMILY, help="Model family.")
-@click.option(
-    "--days", default=7.0, show_default=True, type=PositiveNumber(), help="Started within DAYS."
-)
+@click.option("--days", default=7.0, show_default=True, type=DAYS, help="Started within DAYS.")
 def cost_cmd(family: str, days: float) -> None:
     """Attempts, GPU- and CPU-hours per termination reason: where did the time go?"""
     from datetime import UTC, datetime, timedelta

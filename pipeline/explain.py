@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
+from pipeline import ids, redact
 from pipeline.ledger import (
     AttemptRecord,
     CheckpointRecord,
@@ -21,7 +22,6 @@ from pipeline.ledger import (
     Ledger,
     PromotionRecord,
     RunRecord,
-    UnknownRunError,
     UnknownSnapshotError,
 )
 from pipeline.retry import config_changes
@@ -34,13 +34,21 @@ _STATE_WORDS = {
 }
 
 
-def _parse_target(target: str) -> tuple[str, int | None]:
-    # "RUN#3" or "RUN/3" names one attempt; a bare run id names the whole run.
+def parse_target(target: str) -> tuple[str, int | None]:
+    """``RUN#3`` or ``RUN/3`` names one attempt, a bare run id the whole run; both validated
+    (a run id holds neither '#' nor '/', so either one starts an attempt number)."""
     for sep in ("#", "/"):
-        run_id, _, tail = target.rpartition(sep)
-        if run_id and tail.isdigit():
-            return run_id, int(tail)
-    return target, None
+        run_id, found, tail = target.rpartition(sep)
+        if found:
+            if not (tail.isascii() and tail.isdigit() and len(tail) <= 4):
+                raise ids.InvalidIdError(
+                    "target",
+                    target,
+                    "expected a run id, RUN#N or RUN/N (attempt N from 1 to 9999), "
+                    "or a snapshot id",
+                )
+            return ids.run_id(run_id), ids.attempt_no(int(tail))
+    return ids.run_id(target), None
 
 
 def _when(value: Any) -> str:
@@ -575,21 +583,14 @@ def render_run(ledger: Ledger, run: RunRecord, focus_attempt: int | None = None)
 
 def explain(ledger: Ledger, target: str) -> str:
     """Render the page for a run id, or an attempt named ``RUN#N``."""
-    from pipeline import ids
-
     if ids.is_snapshot_id(target):
         try:
-            return render_snapshot(ledger, target)
+            return redact.text(render_snapshot(ledger, target))
         except UnknownSnapshotError:
             pass  # a run may be named like a snapshot; try it as a run
-    run_id, attempt_no = _parse_target(target)
-    try:
-        run = ledger.get_run(run_id)
-    except UnknownRunError:
-        if attempt_no is None:
-            raise
-        run = ledger.get_run(target)  # a run id that itself ends in "#N" or "/N"
-        attempt_no = None
+    run_id, attempt_no = parse_target(target)
+    run = ledger.get_run(run_id)
     if attempt_no is not None:
         ledger.get_attempt(run.run_id, attempt_no)  # raises if it does not exist
-    return render_run(ledger, run, focus_attempt=attempt_no)
+    # Rows written before details were redacted on the way in may still quote a password.
+    return redact.text(render_run(ledger, run, focus_attempt=attempt_no))

@@ -30,7 +30,8 @@ class TracksSettings:
         MLflow, plain directories for landing files, snapshots and checkpoints.
         """
         env = os.environ if environ is None else environ
-        home = Path(env.get("TRACKS_HOME", DEFAULT_HOME)).expanduser().resolve()
+        # Empty counts as unset, as for every other variable here: "" would be the cwd.
+        home = Path(env.get("TRACKS_HOME") or DEFAULT_HOME).expanduser().resolve()
         return cls(
             home=home,
             ledger_url=env.get("TRACKS_LEDGER_URL") or f"sqlite:///{home / 'ledger.db'}",

@@ -166,6 +166,15 @@ def test_cost_benchmark_runs_end_to_end_on_a_small_ledger() -> None:
         ["attempts", "--run", "../x"],
         ["cost", "--family", "../x"],
         ["explain", "some-run", "--output", "/nonexistent-folder/page.md"],
+        # Past what dates can hold: a usage error, not "date value out of range".
+        ["attempts", "--since", "1e6"],
+        ["cost", "--days", "1e10", "--family", "digits"],
+        ["canary", "--max-minutes", "nan"],
+        ["canary", "--max-minutes", "inf"],
+        # Not an attempt number: "²" is a digit to str.isdigit, and 10**22 no SQLite integer.
+        ["explain", "some-run#99999999999999999999999"],
+        ["explain", "some-run#\u00b2"],
+        ["explain", "../../etc/passwd"],
     ],
 )
 def test_bad_cli_input_is_one_line_naming_the_option(args: list[str], tracks_home: Path) -> None:
@@ -197,3 +206,22 @@ def test_a_batch_stopped_by_its_checks_is_listed_by_cost_and_attempts(
         assert result.exit_code == 0, result.output
         assert "1 snapshot(s) stopped by their blocking checks" in result.output
         assert snapshot.snapshot_id in result.output
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("foo://u:SECRET@h/db", "Can't load plugin"),
+        ("not a url", "Could not parse"),
+        ("sqlite:////", "unable to open database file"),
+    ],
+)
+def test_a_ledger_that_cannot_be_opened_is_named_by_its_variable(
+    url: str, said: str, tracks_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRACKS_LEDGER_URL", url)
+    result = CliRunner().invoke(tracks, ["attempts"])
+    assert result.exit_code == 1, result.output
+    assert "cannot open the ledger at" in result.output
+    assert "(TRACKS_LEDGER_URL)" in result.output and said in result.output
+    assert "SECRET" not in result.output and "Traceback" not in result.output

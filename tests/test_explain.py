@@ -23,7 +23,7 @@ from pipeline.explain import explain
 from pipeline.ledger import AttemptStart, EvaluationRecord, Ledger, PromotionRecord, schema
 from pipeline.reasons import AttemptEvidence, Termination, classify
 from pipeline.retry import RetryAction, decide, policy_for_run, record_decision
-from pipeline.states import CheckpointState, RunStatus
+from pipeline.states import CheckpointState, RunStatus, TerminationReason
 
 RUN = "digits-cnn-5f3a-20261121T0900-ab12"
 DRIFT_RUN = "digits-cnn-77aa-20261121T1000-cd34"
@@ -351,3 +351,39 @@ def test_tracks_explain_and_attempts_on_the_command_line(
     recent = runner.invoke(tracks, ["attempts", "--since", "7"]).output
     assert DRIFT_RUN not in recent and f"{RUN}#4" in recent
     assert runner.invoke(tracks, ["attempts", "--family", "nope"]).output == "No attempts match.\n"
+
+
+def test_a_password_quoted_in_an_attempts_detail_is_never_stored_or_shown(
+    tmp_path: Path, tracks_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error that quotes a URL with its password reaches the receipt: the ledger stores it
+    without the password, and a row stored before that rule is shown without it."""
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger.open(url)
+    build_scenario(ledger)
+    quoted = "OperationalError at step 3: could not connect to postgresql://tracks:{}@db:5432/x"
+    attempt = ledger.begin_attempt(RUN, _start(CONFIG, "host-e"))
+    ledger.end_attempt(
+        RUN, attempt.attempt_no, termination_reason=TerminationReason.INFRA_TRANSIENT,
+        termination_detail=quoted.format("HUNTER2"),
+    )  # fmt: skip
+    ledger.set_checkpoint_state(
+        RUN, _ckpt(200, 1), CheckpointState.CORRUPT, "read from https://h/x?access_token=HUNTER3"
+    )
+    t = schema.training_attempts
+    with ledger.engine.begin() as conn:
+        stored = conn.execute(sa.select(t.c.termination_detail).where(t.c.run_id == RUN)).all()
+        assert quoted.format("***") in {row[0] for row in stored}
+        assert "HUNTER3" not in str(conn.execute(sa.select(schema.checkpoints)).all())
+        conn.execute(  # as an older Tracks stored it
+            sa.update(t)
+            .where(t.c.run_id == RUN, t.c.attempt_no == 1)
+            .values(termination_detail=quoted.format("OLDSECRET"))
+        )
+    monkeypatch.setenv("TRACKS_LEDGER_URL", url)
+    runner = CliRunner()
+    for args in (["attempts", "--run", RUN], ["explain", RUN], ["explain", f"{RUN}#1"]):
+        result = runner.invoke(tracks, args)
+        assert result.exit_code == 0, result.output
+        assert "tracks:***@db:5432" in result.output, args
+        assert "HUNTER" not in result.output and "OLDSECRET" not in result.output, args
