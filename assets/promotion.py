@@ -31,9 +31,16 @@ def promoted_model(
     storage: StorageResource,
     mlflow: MlflowResource,
 ) -> dg.MaterializeResult:
+    from pipeline import ids
     from pipeline.promotion import promote
     from pipeline.states import PromotionDecision
 
+    try:
+        ids.model_name(config.model_name)
+    except ids.InvalidIdError as exc:
+        raise dg.Failure(
+            description=f"run config of promoted_model: {exc}", allow_retries=False
+        ) from exc
     checkpoint = upstream_metadata(context, "committed_checkpoint", context.partition_key)
     decision = promote(
         ledger=ledger.ledger(),

@@ -63,11 +63,23 @@ class TrainingConfig(dg.Config):
         }
 
 
+# What a run is, not how it trains: a continued run keeps them, or its receipt (the partition's
+# snapshot, its model family) would name data and a model it did not train.
+_RUN_IDENTITY_KEYS = ("snapshot_dir", "model_family")
+
+
 def _config_for_attempt(book: Any, config: TrainingConfig, snapshot: Any) -> dict[str, Any]:
     """A new run's config from the run config; a continued run's from its last attempt."""
     from pipeline import yamlio
+    from pipeline.states import Purpose
     from pipeline.trainer.config import ConfigError
 
+    if config.purpose not in {str(p) for p in Purpose}:
+        raise ConfigError(
+            "run config of training_attempt",
+            "purpose",
+            f"{config.purpose!r} is not one of {', '.join(str(p) for p in Purpose)}",
+        )
     if not config.run_id:
         return config.train_config_dict(snapshot.path)
     run = book.get_run(ids.run_id(config.run_id))
@@ -90,6 +102,13 @@ def _config_for_attempt(book: Any, config: TrainingConfig, snapshot: Any) -> dic
         raise ConfigError("run config of training_attempt", "overrides", str(exc)) from exc
     if not isinstance(changes, dict):
         raise ConfigError("run config of training_attempt", "overrides", "must be a YAML mapping")
+    for key in _RUN_IDENTITY_KEYS:
+        if key in changes:
+            raise ConfigError(
+                "run config of training_attempt",
+                f"overrides.{key}",
+                f"run {run.run_id} keeps its {key}; start a new run to change it",
+            )
     for key, value in changes.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):
             base[key] = {**base[key], **value}
@@ -158,6 +177,13 @@ def training_attempt(
         train_config = TrainConfig.from_dict(
             _config_for_attempt(book, config, snapshot), source="run config of training_attempt"
         )
+        if Path(train_config.snapshot_dir) != snapshot.path.resolve():
+            # The gate above passed this partition's snapshot, and the receipt names it.
+            raise ConfigError(
+                "run config of training_attempt",
+                "snapshot_dir",
+                f"{train_config.snapshot_dir} is not this partition's snapshot {snapshot.path}",
+            )
         policy = load_retry_policy(config.retry_policy)
         prepared = prepare_attempt(
             book,
@@ -171,6 +197,10 @@ def training_attempt(
             dagster_run_id=context.run_id,
             launched_by=launched_by(context.run.tags),
         )
+    except ids.InvalidIdError as exc:  # model_family or run_id
+        raise dg.Failure(
+            description=f"run config of training_attempt: {exc}", allow_retries=False
+        ) from exc
     except (ConfigError, RetryPolicyError, AttemptRefusedError, LedgerError) as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
 
@@ -281,29 +311,40 @@ def training_attempt(
     description="The final committed checkpoint of the newest training run, verified on read.",
 )
 def committed_checkpoint(
-    context: dg.AssetExecutionContext, ledger: LedgerResource
+    context: dg.AssetExecutionContext, ledger: LedgerResource, storage: StorageResource
 ) -> dg.MaterializeResult:
+    from pipeline import safepath
     from pipeline.checkpoint import verify_checkpoint
 
     attempt_meta = upstream_metadata(context, "training_attempt", context.partition_key)
-    run_id = attempt_meta["run_id"]
+    run_id = ids.run_id(attempt_meta["run_id"])
     book = ledger.ledger()
     checkpoint = book.latest_committed_checkpoint(run_id)
     if checkpoint is None:
         raise dg.Failure(f"run {run_id} has no committed checkpoint", allow_retries=False)
-    verify_checkpoint(Path(checkpoint.path))
+    # What is stated below is what was verified on disk, under the checkpoint store, and it
+    # must be what the ledger committed: a folder rewritten since would verify on its own.
+    path = safepath.no_symlinks(storage.checkpoints(), Path(checkpoint.path))
+    info = verify_checkpoint(path)
+    if info.manifest_sha256 != checkpoint.manifest_sha256:
+        raise dg.Failure(
+            f"checkpoint {path} verifies with manifest {info.manifest_sha256[:16]}, but the "
+            f"ledger committed {str(checkpoint.manifest_sha256)[:16]}: not the checkpoint "
+            "the run committed",
+            allow_retries=False,
+        )
     lineage = [c.path for c in book.checkpoints(run_id)]
     return dg.MaterializeResult(
         metadata={
             "run_id": run_id,
-            "attempt_no": checkpoint.attempt_no,
-            "step": checkpoint.step,
-            "path": dg.MetadataValue.path(checkpoint.path),
-            "manifest_sha256": checkpoint.manifest_sha256 or "",
+            "attempt_no": info.attempt_no,
+            "step": info.step,
+            "path": dg.MetadataValue.path(str(path)),
+            "manifest_sha256": info.manifest_sha256,
             "bytes": checkpoint.bytes or 0,
             "parent_checkpoint": checkpoint.parent_path or "none",
             "metrics": dg.MetadataValue.json(checkpoint.metrics or {}),
             "lineage": dg.MetadataValue.json(lineage),
         },
-        data_version=dg.DataVersion(checkpoint.manifest_sha256 or checkpoint.path),
+        data_version=dg.DataVersion(info.manifest_sha256),
     )

@@ -170,6 +170,10 @@ _CONFIG_KEY = {
 _PLACEHOLDER_RUN = "config-check"
 
 
+# An hour covers the largest final save; past that a preemption notice has long expired.
+MAX_GRACE_SECONDS = 3600
+
+
 class TrainerLauncherResource(dg.ConfigurableResource):
     """Where and how the trainer runs: a subprocess of the step, N ranks under torchrun, or
     ``nnodes`` pods of N ranks on Kubernetes.
@@ -183,8 +187,8 @@ class TrainerLauncherResource(dg.ConfigurableResource):
     paths in the trainer's arguments resolve in both (docs/kubernetes.md).
     """
 
-    python_executable: str = sys.executable
     termination_grace_seconds: float = 30.0
+    """How long the trainer has between SIGTERM and SIGKILL for its final save (≤ 3600 s)."""
     backend: str = TrainerBackend.LOCAL.value
     nproc_per_node: int = 1
     # -- backend: kubernetes -------------------------------------------------------------------
@@ -214,6 +218,15 @@ class TrainerLauncherResource(dg.ConfigurableResource):
     pod_start_timeout_seconds: float = 3600.0
     """How long rank 0 may stay unscheduled or pulling (time queued in Kueue counts)."""
 
+    @property
+    def python_executable(self) -> str:
+        """The trainer's interpreter: the code server's own, or ``TRACKS_TRAINER_PYTHON``.
+
+        A deployment setting, never run config: whoever launches a run would otherwise choose
+        the program that starts with the ledger's and MLflow's credentials in its environment.
+        """
+        return os.environ.get("TRACKS_TRAINER_PYTHON") or sys.executable
+
     def world(self, env: Mapping[str, str] | None = None) -> tuple[TrainerBackend, int]:
         """The backend and the number of ranks, checked (a clear error for a bad run config).
 
@@ -222,6 +235,14 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         Raises :class:`TrainerConfigError` naming the config key.
         """
         backend = _choice("backend", self.backend, TrainerBackend)
+        grace = self.termination_grace_seconds
+        if not (math.isfinite(grace) and 0 < grace <= MAX_GRACE_SECONDS):
+            # NaN or inf would never escalate to SIGKILL; 0 or less kills before any final save.
+            raise TrainerConfigError(
+                "termination_grace_seconds",
+                f"resources.trainer.config.termination_grace_seconds is {grace}; "
+                f"it must be greater than 0 and at most {MAX_GRACE_SECONDS}",
+            )
         if not 1 <= self.nproc_per_node <= 64:
             raise TrainerConfigError(
                 "nproc_per_node",

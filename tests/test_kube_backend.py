@@ -434,3 +434,15 @@ async def test_storage_outside_the_shared_volume_is_refused_before_any_workload(
     assert attempt.termination_reason == "user_code_error"
     assert "checkpoint_mount_path is /mnt/tracks" in attempt.termination_detail
     assert str(tracks_home / "work") in attempt.termination_detail
+
+
+@pytest.mark.parametrize("grace", [float("nan"), float("inf"), -1.0, 0.0, 3601.0])
+def test_a_grace_period_that_cannot_end_in_a_final_save_is_refused_on_every_backend(
+    grace: float,
+) -> None:
+    """NaN or inf never escalates to SIGKILL; 0 or less kills before the final save."""
+    for backend in ("local", "torchrun"):
+        resource = TrainerLauncherResource(backend=backend, termination_grace_seconds=grace)
+        with pytest.raises(TrainerConfigError) as refused:
+            resource.world()
+        assert refused.value.field == "termination_grace_seconds"

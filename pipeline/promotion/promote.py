@@ -62,10 +62,16 @@ def promote(
     A refusal is recorded and returned, not raised: its ``reason`` names what failed.
     ``gate`` defaults to ``QualityGate()``; ``required`` to the registry's required evaluators.
     """
+    from pipeline import ids
     from pipeline.evaluation.evaluators import required_evaluators
     from pipeline.mlflow_setup import mlflow_client
     from pipeline.serving.loading import open_committed_checkpoint
 
+    # Serving refuses a name ids.model_name refuses: promoting under one would crown a
+    # champion nobody can load ("a/b" would fail in the registry after the model is logged).
+    ids.model_name(model_name)
+    ids.run_id(run_id)
+    ids.snapshot_id(snapshot_id)
     checkpoint = open_committed_checkpoint(checkpoint_dir)
     _require_ledger_committed(ledger, checkpoint, run_id)
     required = list(required) if required is not None else required_evaluators()

@@ -1,0 +1,110 @@
+"""Run config is input from whoever launches a run: what it may not change, it cannot.
+
+Each case was reproduced on the landed main before the fix: ``overrides: "snapshot_dir: …"``
+trained a continued run on another folder while its receipt named the partition's snapshot;
+``model_family: ../x`` and ``purpose: bogus`` failed with an exception that named neither the
+asset nor the key; a ``model_name`` that serving refuses was promoted under; and
+``python_executable`` chose the program started with the ledger's credentials
+(tests/test_launch_failure.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from pipeline.data.landing import write_digits_landing
+from pipeline.data.snapshot import create_snapshot
+from pipeline.definitions import build_definitions
+from pipeline.ledger import AttemptStart, Ledger
+from pipeline.settings import TracksSettings
+from pipeline.states import TerminationReason
+
+pytestmark = pytest.mark.slow
+RUN = "digits-cnn-continued"
+
+
+def _training_alone(settings: TracksSettings, snapshot_id: str, config: dict[str, Any]) -> str:
+    """Materialize training_attempt alone with ``config``; the step failure's message."""
+    defs = build_definitions(settings)
+    with dg.DagsterInstance.get() as instance:
+        instance.add_dynamic_partitions("snapshots", [snapshot_id])
+        result = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+            instance=instance,
+            partition_key=snapshot_id,
+            asset_selection=[dg.AssetKey("training_attempt")],
+            run_config={"ops": {"training_attempt": {"config": config}}},
+            raise_on_error=False,
+        )
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    return failure.event_specific_data.error.message
+
+
+def _continued_run(ledger: Ledger, snapshot: Any) -> None:
+    """A run of this snapshot whose one attempt was preempted: the next one continues it."""
+    config = {"model_family": "digits-cnn", "seed": 0, "max_steps": 5,
+              "snapshot_dir": str(snapshot.path.resolve())}  # fmt: skip
+    ledger.create_run(
+        run_id=RUN, model_family="digits-cnn", owner="ana", purpose="baseline",
+        config_sha256="a" * 64, snapshot_id=snapshot.snapshot_id, code_commit="0123abcd",
+    )  # fmt: skip
+    ledger.begin_attempt(
+        RUN,
+        AttemptStart(
+            config_snapshot=config, config_sha256="a" * 64,
+            data_manifest_sha256=snapshot.manifest_sha256, container_digest="env:sha256:test",
+            placement={"host": "test"},
+        ),
+    )  # fmt: skip
+    ledger.end_attempt(
+        RUN, 1, termination_reason=TerminationReason.PREEMPTED, termination_detail="SIGTERM"
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "said"),
+    [
+        ({"model_family": "../x"}, "invalid model family '../x'"),
+        ({"purpose": "bogus"}, "purpose: 'bogus' is not one of baseline"),
+        (
+            {"run_id": RUN, "overrides": "snapshot_dir: /tmp/other/digits-0123456789abcdef"},
+            f"overrides.snapshot_dir: run {RUN} keeps its snapshot_dir",
+        ),
+        (
+            {"run_id": RUN, "overrides": "model_family: another"},
+            f"overrides.model_family: run {RUN} keeps its model_family",
+        ),
+    ],
+)
+def test_run_config_that_would_tell_a_wrong_story_is_refused_naming_the_key(
+    tracks_home: Path, config: dict[str, Any], said: str
+) -> None:
+    settings = TracksSettings.from_env()
+    settings.ensure_dirs()
+    write_digits_landing(settings.landing_root)
+    snapshot = create_snapshot(settings.landing_root, settings.snapshot_root)
+    ledger = Ledger.open(settings.ledger_url)
+    _continued_run(ledger, snapshot)
+    message = _training_alone(settings, snapshot.snapshot_id, config)
+    assert said in message
+    assert "run config of training_attempt" in message
+    assert [a.attempt_no for a in ledger.list_attempts()] == [1]  # no attempt was opened
+
+
+@pytest.mark.parametrize("name", ["a/b", "digits classifier", "../champion", ""])
+def test_promotion_refuses_a_model_name_serving_could_never_load(tmp_path: Path, name: str) -> None:
+    from pipeline import ids
+    from pipeline.promotion import promote
+
+    with pytest.raises(ids.InvalidIdError, match="invalid model name"):
+        promote(
+            ledger=Ledger.open(f"sqlite:///{tmp_path / 'ledger.db'}"),
+            settings=TracksSettings.from_env({"TRACKS_HOME": str(tmp_path)}),
+            run_id=RUN, attempt_no=1, checkpoint_dir=tmp_path / "nowhere",
+            snapshot_id="digits-0123456789abcdef", model_name=name,
+        )  # fmt: skip
+    assert not (tmp_path / "mlflow.db").exists()  # refused before MLflow was touched
