@@ -23,6 +23,7 @@ from assets.evaluation import evaluation
 from assets.lineage import MissingUpstreamError, upstream_metadata
 from assets.partitions import snapshot_partitions
 from assets.training import committed_checkpoint, training_attempt
+from pipeline import redact
 from resources import LedgerResource
 
 if TYPE_CHECKING:
@@ -132,7 +133,10 @@ def run_restore_check(checkpoint_path: str) -> tuple[int, dict[str, Any], str]:
         verdict = json.loads(lines[-1]) if lines else {}
     except json.JSONDecodeError:
         verdict = {}
-    return proc.returncode, verdict, proc.stderr.strip()
+    if isinstance(verdict.get("error"), str):
+        verdict["error"] = redact.text(verdict["error"])  # stored as the check's metadata
+    # Redacted whole, before any caller keeps only its tail: the tail may start inside a URL.
+    return proc.returncode, verdict, redact.text(proc.stderr.strip())
 
 
 def judge_restores_in_new_process(
@@ -146,7 +150,10 @@ def judge_restores_in_new_process(
     expected_sha = checkpoint.get("manifest_sha256")
     problem = None
     if returncode != 0 or not verdict.get("ok"):
-        problem = verdict.get("error") or stderr[-2000:] or f"exit code {returncode}"
+        # The check's description is stored and shown: no URL password in it.
+        problem = redact.text(
+            str(verdict.get("error") or stderr[-2000:] or f"exit code {returncode}")
+        )
     elif verdict.get("manifest_sha256") != expected_sha:
         problem = (
             f"restored manifest {verdict.get('manifest_sha256')}, but committed_checkpoint "

@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline import redact
 from pipeline.states import TerminationReason
 from pipeline.trainer import exit_codes
 
@@ -255,7 +256,8 @@ def _reason_of_exception(
 
 def _exception_sentence(reason: TerminationReason, e: AttemptEvidence, step: Any) -> str:
     kind = e.exception_type or "an exception"
-    said = " ".join((e.exception_message or "").split())[:300]
+    # Redacted before the cut: a URL cut short of its '@' no longer looks like one.
+    said = " ".join(redact.text(e.exception_message or "").split())[:300]
     head = f"{kind}{_step_phrase(step)}" + (f": {said}" if said else "")
     tail = {
         R.OOM: "the attempt ran out of accelerator or host memory",
@@ -302,15 +304,26 @@ def _from_last_words(e: AttemptEvidence) -> Termination | None:
 def classify(evidence: AttemptEvidence) -> Termination:
     """Exactly one termination reason, and one sentence naming the step, signal or exception.
 
+    The sentence is stored and printed, so no URL password in it survives: it may quote last
+    words written by an older trainer that did not redact, or a platform's message.
+
     Raises :class:`InsufficientEvidenceError` for an attempt that has not visibly ended (no
     exit code, no signal, not cancelled, node not lost, heartbeat not expired).
     """
+    found = _classify(evidence)
+    return replace(found, detail=redact.text(found.detail))
+
+
+def _classify(evidence: AttemptEvidence) -> Termination:
     e = evidence
     sig = e.signal_name
     words = dict(e.last_words or {})
     step = words.get("step")  # where it failed; the last committed step is said apart
     exc_type = e.exception_type or words.get("exception_type")
     exc_message = e.exception_message or words.get("exception_message")
+    if isinstance(exc_message, str):
+        # Redacted here, before any sentence cuts it short and hides the URL's '@'.
+        exc_message = redact.text(exc_message)
     if exc_type != e.exception_type or exc_message != e.exception_message:
         e = replace(e, exception_type=exc_type, exception_message=exc_message)
 
@@ -480,8 +493,6 @@ def launcher_failed(error: BaseException) -> ObservedEnding:
     evidence does not hold. Stopping (``user_code_error``) is the safe verdict: a person reads
     the error before a retry repeats it.
     """
-    from pipeline import redact
-
     said = redact.text(f"{type(error).__name__}: {error}").rstrip(".")
     return ObservedEnding(
         AttemptEvidence(),
@@ -502,9 +513,10 @@ def classify_observed(observed: ObservedEnding, known: AttemptEvidence) -> Termi
     platform = observed.evidence
     if observed.decisive and not known.cancelled:
         where = _where(known)
+        said = redact.text(observed.termination.detail)  # the platform's words may quote a URL
         return Termination(
             observed.termination.reason,
-            f"{_sentence(observed.termination.detail)} {_sentence(where[0].upper() + where[1:])}",
+            f"{_sentence(said)} {_sentence(where[0].upper() + where[1:])}",
         )
     merged = replace(
         platform,
@@ -519,7 +531,8 @@ def classify_observed(observed: ObservedEnding, known: AttemptEvidence) -> Termi
     try:
         return classify(merged)
     except InsufficientEvidenceError:
-        return observed.termination  # the platform's verdict is all there is
+        # The platform's verdict is all there is; its words may quote a URL.
+        return replace(observed.termination, detail=redact.text(observed.termination.detail))
 
 
 def classify_exit(

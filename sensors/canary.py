@@ -18,6 +18,7 @@ import dagster as dg
 
 from assets.checks import LOSS_FALLS, PROVENANCE_COMPLETE, RESTORES_IN_NEW_PROCESS
 from assets.partitions import snapshot_partitions
+from pipeline import redact
 
 CANARY_ASSETS = ("data_snapshot", "training_attempt", "committed_checkpoint", "evaluation")
 CANARY_LANDING_FILE = "canary-digits.parquet"
@@ -258,7 +259,8 @@ def _step_failures(result: dg.ExecuteInProcessResult) -> dict[str, str]:
             message = (user.description if user and user.description else None) or (
                 error.message.strip() if error else "no message"
             )
-            failures[event.step_key] = " ".join(message.split())[:600]
+            # Printed by the canary: redacted before the cut hides a URL's '@'.
+            failures[event.step_key] = " ".join(redact.text(message).split())[:600]
     return failures
 
 

@@ -27,7 +27,8 @@ from pipeline.evaluation import (
     run_evaluation,
 )
 from pipeline.evaluation.base import ClassifierEvaluator, EvaluatorResult
-from pipeline.ledger import Ledger
+from pipeline.ledger import EvaluationRecord, Ledger
+from pipeline.ledger.ledger import utcnow
 from pipeline.states import EvaluationStatus, TerminationReason
 from pipeline.trainer.model import build_model
 
@@ -199,6 +200,60 @@ def test_evaluator_crash_records_failed_row_and_raises(
     run = MlflowClient(world.settings.mlflow_tracking_uri).get_run(row.mlflow_run_id)
     assert run.info.status == "FAILED"
     assert run.data.tags["termination_reason"] == "evaluator_crash"
+
+
+LEAKY_URL = "postgresql://tracks:hunter2@db/ledger"
+
+
+class _LeakyEvaluator(ClassifierEvaluator):
+    name = "leaky_probe"
+
+    def evaluate(self, model, images, labels, sample_ids) -> EvaluatorResult:
+        # The cut of the first line (300 characters) falls between the password and its '@'.
+        raise RuntimeError("x" * 253 + f" could not reach {LEAKY_URL}\nsecond line")
+
+
+def test_evaluator_crash_quotes_no_password_anywhere(
+    world: World, ledger: Ledger, good_checkpoint: Path
+) -> None:
+    with pytest.raises(EvaluatorCrashError) as caught:
+        _evaluate(world, ledger, good_checkpoint, _LeakyEvaluator())
+    # The message is what assets/evaluation.py logs and fails the step with.
+    assert "hunter2" not in str(caught.value) and "tracks:***@db" in str(caught.value)
+    [row] = ledger.evaluations_for_checkpoint(manifest_sha256(good_checkpoint))
+    assert row.detail and "RuntimeError" in row.detail and "hunter2" not in row.detail
+    run = MlflowClient(world.settings.mlflow_tracking_uri).get_run(row.mlflow_run_id)
+    assert "hunter2" not in run.data.tags["detail"]
+
+
+def test_evaluator_crash_error_message_is_redacted() -> None:
+    error = EvaluatorCrashError(
+        evaluator_name="probe",
+        evaluator_version="1",
+        checkpoint_path="/ckpt/step-00010",
+        evaluation_id="eval-probe-1",
+        cause=ConnectionError(f"could not reach {LEAKY_URL}"),
+    )
+    assert "hunter2" not in str(error) and "ConnectionError" in str(error)
+
+
+def test_record_evaluation_stores_no_password(ledger: Ledger) -> None:
+    record = EvaluationRecord(
+        evaluation_id="eval-leaky-1", run_id=RUN_ID, attempt_no=1,
+        checkpoint_path="/ckpt/step-00010", checkpoint_manifest_sha256="a" * 64,
+        evaluator_name="leaky_probe", evaluator_version="1", evaluator_env_digest="env",
+        task_set_version="t", decoding_params={}, judge_model="none", rubric_version="none",
+        status=str(EvaluationStatus.FAILED), started_at=utcnow(), ended_at=utcnow(),
+        termination_reason=str(TerminationReason.EVALUATOR_CRASH),
+        detail=f"evaluator leaky_probe raised OperationalError: could not reach {LEAKY_URL}",
+        raw_outputs_uri="https://tracks:hunter2@mlflow.example/artifacts/raw.jsonl",
+    )  # fmt: skip
+    returned = ledger.record_evaluation(record)
+    [stored] = ledger.evaluations_for_checkpoint("a" * 64)
+    for kept in (returned, stored):
+        assert "hunter2" not in repr(kept)
+        assert kept.detail and "tracks:***@db/ledger" in kept.detail
+        assert kept.raw_outputs_uri == "https://tracks:***@mlflow.example/artifacts/raw.jsonl"
 
 
 def test_corrupt_checkpoint_is_refused_before_anything_is_recorded(

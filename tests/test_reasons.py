@@ -14,8 +14,11 @@ from pipeline.ledger import AttemptRecord, AttemptStart, Ledger, schema
 from pipeline.reasons import (
     AttemptEvidence,
     InsufficientEvidenceError,
+    ObservedEnding,
+    Termination,
     classify,
     classify_exit,
+    classify_observed,
     evidence_for_attempt,
     oom_kills_since,
     read_cgroup_oom_kills,
@@ -330,3 +333,52 @@ def test_a_silent_attempt_in_the_ledger_is_preempted_heartbeat_expired(tmp_path:
     assert termination.reason == R.PREEMPTED
     assert "heartbeat expired: none for 600s (timeout 300s)" in termination.detail
     assert "step 350" in termination.detail
+
+
+# -- no URL password in a termination sentence ----------------------------------------------------
+
+LEAKY_URL = "postgresql://tracks:hunter2@db/ledger"
+
+
+def test_last_words_contradicted_by_the_exit_code_quote_no_password() -> None:
+    # The reported leak: last words say infra_transient, exit 65 says bad input, so the sentence
+    # is built from the raw exception message the words carried (written by an older trainer).
+    words = {
+        "reason": "infra_transient",
+        "detail": f"the ledger at {LEAKY_URL} went away",
+        "exception_type": "OperationalError",
+        "exception_message": f"could not connect to {LEAKY_URL}: connection refused",
+    }
+    termination = classify_exit(returncode=65, signal_name=None, last_words=words)
+    assert termination.reason == R.BAD_INPUT
+    assert "OperationalError" in termination.detail
+    assert "hunter2" not in termination.detail
+    assert "postgresql://tracks:***@db/ledger" in termination.detail
+
+
+def test_a_long_message_is_redacted_before_the_sentence_cuts_it() -> None:
+    # 300 characters are kept: the cut falls between the password and its '@'.
+    message = "x" * 272 + f" {LEAKY_URL}"
+    assert message.index("@") == 300 and message[:300].endswith("hunter2")
+    raised = {"exit_code": 1, "exception_type": "RuntimeError", "exception_message": message}
+    assert "hunter2" not in classify(AttemptEvidence(**raised)).detail
+    termination = classify(AttemptEvidence(**raised, evaluator="probe"))
+    assert termination.reason == R.EVALUATOR_CRASH
+    assert "hunter2" not in termination.detail
+
+
+def test_last_words_detail_and_a_platform_verdict_quote_no_password() -> None:
+    words = {"reason": "infra_transient", "detail": f"lost the ledger at {LEAKY_URL}"}
+    said = classify_exit(returncode=exit_codes.INFRA_TRANSIENT, signal_name=None, last_words=words)
+    assert said.reason == R.INFRA_TRANSIENT
+    assert "hunter2" not in said.detail and "tracks:***@db" in said.detail
+
+    observed = ObservedEnding(
+        AttemptEvidence(exit_code=1),
+        Termination(R.OOM, f"OOMKilled while reading {LEAKY_URL}"),
+        decisive=True,
+    )
+    assert "hunter2" not in classify_observed(observed, AttemptEvidence()).detail
+    # Not decisive, and nothing else known: the platform's verdict is returned as it stands.
+    silent = ObservedEnding(AttemptEvidence(), Termination(R.PREEMPTED, f"lost {LEAKY_URL}"))
+    assert "hunter2" not in classify_observed(silent, AttemptEvidence()).detail

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pipeline import redact
+
 
 class EvaluationError(Exception):
     """Base class for evaluation errors."""
@@ -25,10 +27,13 @@ class EvaluatorCrashError(EvaluationError):
         evaluation_id: str,
         cause: BaseException,
     ) -> None:
+        # The message goes to Dagster's log and the step's failure: no URL password in it.
         super().__init__(
-            f"evaluator {evaluator_name} ({evaluator_version}) crashed on checkpoint "
-            f"{checkpoint_path} and was recorded as failed evaluation {evaluation_id}: "
-            f"{type(cause).__name__}: {cause}"
+            redact.text(
+                f"evaluator {evaluator_name} ({evaluator_version}) crashed on checkpoint "
+                f"{checkpoint_path} and was recorded as failed evaluation {evaluation_id}: "
+                f"{type(cause).__name__}: {cause}"
+            )
         )
         self.evaluator_name = evaluator_name
         self.evaluator_version = evaluator_version

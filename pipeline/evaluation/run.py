@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline import redact
 from pipeline.evaluation.artifacts import FAILURES, RAW_OUTPUTS, write_artifacts
 from pipeline.evaluation.errors import CheckpointAttemptMismatchError, EvaluatorCrashError
 from pipeline.evaluation.eval_set import EvalSet
@@ -131,7 +132,7 @@ def run_evaluation(
                 model, eval_set.images, eval_set.labels, list(eval_set.sample_ids)
             )
         except Exception as exc:
-            detail = (
+            detail = redact.text(
                 f"evaluator {evaluator.name} raised {type(exc).__name__} on checkpoint "
                 f"{checkpoint.path}: {_first_line(exc)}"
             )
@@ -266,6 +267,8 @@ def _log_result(
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
+    # Redacted before the cut: the line lands in an MLflow tag and the ledger, and a URL cut
+    # short of its '@' no longer looks like one.
+    text = redact.text(str(exc)).strip().splitlines()
     line = text[0] if text else "(no message)"
     return line if len(line) <= 300 else line[:297] + "..."

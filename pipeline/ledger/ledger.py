@@ -754,6 +754,17 @@ class Ledger:
     # -- evaluations and promotions --------------------------------------------------------------
 
     def record_evaluation(self, record: EvaluationRecord) -> EvaluationRecord:
+        from dataclasses import replace
+
+        # The detail may quote an evaluator's error, and a path or URI may carry credentials:
+        # stored (and handed back) without any password.
+        record = replace(
+            record,
+            detail=redact.text(record.detail) if record.detail else record.detail,
+            checkpoint_path=redact.url(record.checkpoint_path),
+            raw_outputs_uri=redact.url(record.raw_outputs_uri) if record.raw_outputs_uri else None,
+            failures_uri=redact.url(record.failures_uri) if record.failures_uri else None,
+        )
         values = _record_values(record, schema.evaluations)
         self._tx(lambda conn: conn.execute(sa.insert(schema.evaluations).values(**values)))
         return record

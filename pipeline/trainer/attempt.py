@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline import ids
+from pipeline import ids, redact
 from pipeline.checkpoint import layout
 from pipeline.checkpoint.layout import parse_checkpoint_dir_name, replace_atomically
 from pipeline.states import Purpose, TerminationReason
@@ -260,12 +260,14 @@ def write_last_words(
         "attempt_no": attempt_no,
         "reason": str(outcome.reason),
         "exit_code": outcome.exit_code,
-        "detail": outcome.detail,
+        "detail": redact.text(outcome.detail),
         "step": outcome.step,
         "signal": outcome.signal,
         "exception_type": type(exc).__qualname__ if exc else None,
         "exception_module": type(exc).__module__ if exc else None,
-        "exception_message": str(exc)[:2000] if exc else None,
+        # Redacted before the cut (a URL cut short of its '@' no longer looks like one): the
+        # words are read back into receipts and termination sentences.
+        "exception_message": redact.text(str(exc))[:2000] if exc else None,
         "errno": exc.errno if isinstance(exc, OSError) and isinstance(exc.errno, int) else None,
         "last_checkpoint": last_checkpoint,
         "pid": os.getpid(),
