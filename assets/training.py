@@ -44,7 +44,8 @@ class TrainingConfig(dg.Config):
     dropout: float = 0.0
     max_wall_seconds: float | None = None
     retry_policy: str | None = None
-    """YAML text, or the path of a .yaml file, with the retry policy; the defaults otherwise."""
+    """Inline YAML with the retry policy (files are not read from run config); else the
+    defaults."""
 
     def train_config_dict(self, snapshot_dir: Path) -> dict[str, Any]:
         return {

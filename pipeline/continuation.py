@@ -6,6 +6,8 @@ about what ended how (a sensor's cursor misses failures from before it was turne
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,8 +15,15 @@ from typing import Any
 
 from pipeline.ledger import AttemptRecord, Ledger, RunRecord
 from pipeline.reasons import classify, evidence_for_attempt
-from pipeline.retry import RetryAction, RetryDecision, decide, policy_for_run, record_decision
-from pipeline.states import RunStatus
+from pipeline.retry import (
+    RetryAction,
+    RetryDecision,
+    RetryPolicyError,
+    decide,
+    policy_for_run,
+    record_decision,
+)
+from pipeline.states import RunStatus, TerminationReason
 
 CONTINUING_ACTIONS = (RetryAction.RESUME, RetryAction.RETRY, RetryAction.ROLLBACK)
 
@@ -38,19 +47,43 @@ class Continuation:
         return f"{self.run.run_id}:attempt-{self.next_attempt_no}"
 
 
-def pending_continuations(ledger: Ledger) -> list[Continuation]:
-    """Runs still ``running`` whose newest attempt ended with resume, retry or rollback."""
+def pending_continuations(
+    ledger: Ledger, *, on_skip: Callable[[str, str], None]
+) -> list[Continuation]:
+    """Runs still ``running`` whose newest attempt ended with resume, retry or rollback.
+
+    A run whose stored decision cannot be read, or names a wait no clock can hold (a legacy or
+    hand-edited row), is left out and handed to ``on_skip(run_key, why)``: one bad row must
+    not hold up every other run's continuation.
+    """
     found = []
     for run in ledger.find_runs(status=RunStatus.RUNNING, limit=1000):
         last = ledger.latest_attempt(run.run_id)
         if last is None or last.ended_at is None or not last.retry_decision:
             continue
-        decision = RetryDecision.from_json(last.retry_decision)
-        if decision.action not in CONTINUING_ACTIONS:
+        try:
+            decision = RetryDecision.from_json(last.retry_decision)
+            if decision.action not in CONTINUING_ACTIONS:
+                continue
+            not_before = last.ended_at + _backoff(decision)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            on_skip(
+                f"{run.run_id}:attempt-{last.attempt_no + 1}",
+                f"the retry decision stored on attempt {last.key} is unusable "
+                f"({type(exc).__name__}: {exc}); decide again or stop the run",
+            )
             continue
-        not_before = last.ended_at + timedelta(seconds=decision.backoff_seconds)
         found.append(Continuation(run, last, decision, not_before))
     return found
+
+
+def _backoff(decision: RetryDecision) -> timedelta:
+    seconds = decision.backoff_seconds
+    # timedelta(seconds=nan) fails with a message that names no value, and no policy asks
+    # for a negative wait: either is a row written by something else.
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"backoff_seconds is {seconds!r}, not a finite wait >= 0")
+    return timedelta(seconds=seconds)
 
 
 def expire_silent_attempts(
@@ -94,17 +127,37 @@ def expire_silent_attempts(
             last_step=max(steps) if steps else None,
         )
         run = ledger.get_run(attempt.run_id)
-        decision = decide(
-            policy_for_run(run),
-            ledger.attempts(run.run_id),
-            ended,
-            checkpoints=ledger.checkpoints(run.run_id),
-        )
+        try:
+            policy = policy_for_run(run)
+        except RetryPolicyError as exc:
+            # A stored policy that no longer loads (written before its numbers were bounded)
+            # must not fail the tick for every run: this one stops, and says why.
+            decision = _stop_for_unreadable_policy(ended, exc)
+        else:
+            decision = decide(
+                policy,
+                ledger.attempts(run.run_id),
+                ended,
+                checkpoints=ledger.checkpoints(run.run_id),
+            )
         record_decision(ledger, ended, decision)
         if not decision.continues:
             ledger.set_run_status(run.run_id, RunStatus.FAILED)
         closed.append(ledger.get_attempt(attempt.run_id, attempt.attempt_no))
     return closed
+
+
+def _stop_for_unreadable_policy(ended: AttemptRecord, error: RetryPolicyError) -> RetryDecision:
+    return RetryDecision(
+        action=RetryAction.STOP,
+        rule="retry_policy_unreadable",
+        reason=f"Stop: the retry policy stored on run {ended.run_id} does not load ({error}); "
+        f"a person decides whether attempt {ended.attempt_no + 1} follows.",
+        termination_reason=TerminationReason(ended.termination_reason),
+        attempt_no=ended.attempt_no,
+        budget_left={"count": None, "gpu_seconds": None},
+        spent={},
+    )
 
 
 def _last_words(checkpoint_root: Path | None, attempt: AttemptRecord) -> dict[str, Any]:

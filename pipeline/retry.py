@@ -39,7 +39,9 @@ here fill in whatever it leaves out); the resolved policy is stored on the run
 
 ``max_attempts`` is how many attempts of the run may end with that reason and still be followed
 by another; ``max_gpu_seconds`` is how many GPU-seconds those attempts may burn in total. The
-``n``-th retry for a reason waits ``min(initial_seconds * multiplier**(n-1), max_seconds)``.
+``n``-th retry for a reason waits ``min(initial_seconds * multiplier**(n-1), max_seconds)``, and
+never more than a day. Every number is finite and bounded: ``max_attempts`` <= 1000, backoff
+seconds <= 86400, ``multiplier`` <= 100, ``max_gpu_seconds`` <= one year.
 bad_input, user_code_error and cancelled always stop and have no budget to configure.
 """
 
@@ -80,6 +82,10 @@ class RetryPolicyError(ValueError):
         self.key = key
 
 
+# The longest wait before a retry, whatever the policy says.
+MAX_BACKOFF_SECONDS = 86400.0  # one day
+
+
 @dataclass(frozen=True)
 class Backoff:
     """Wait before the n-th retry: ``min(initial_seconds * multiplier**(n-1), max_seconds)``."""
@@ -91,8 +97,14 @@ class Backoff:
     def delay(self, nth: int) -> float:
         if self.initial_seconds <= 0 or nth < 1:
             return 0.0
-        ceiling = self.max_seconds if self.max_seconds > 0 else math.inf
-        return float(min(self.initial_seconds * self.multiplier ** (nth - 1), ceiling))
+        # No max_seconds still waits at most a day: a longer wait is a stuck run, and a wait
+        # that no clock can represent would stop the resume sensor for every run.
+        ceiling = min(self.max_seconds if self.max_seconds > 0 else math.inf, MAX_BACKOFF_SECONDS)
+        try:
+            grown = self.initial_seconds * self.multiplier ** (nth - 1)
+        except OverflowError:  # multiplier**n past the float range: far past the ceiling
+            return float(ceiling)
+        return float(min(grown, ceiling))
 
 
 @dataclass(frozen=True)
@@ -168,6 +180,18 @@ DEFAULT_OOM_MEMORY_KEYS: tuple[str, ...] = (
 _BUDGET_KEYS = ("max_attempts", "max_gpu_seconds", "backoff")
 _BACKOFF_KEYS = ("initial_seconds", "max_seconds", "multiplier")
 
+# Upper bounds of each number a policy may hold. Anything larger is a typo (or .inf/.nan in
+# YAML); left in, it becomes a wait no clock can represent, or a budget that never ends.
+_LIMITS: Mapping[str, float] = MappingProxyType(
+    {
+        "max_attempts": 1000,
+        "max_gpu_seconds": 365 * 86400.0,  # one GPU-year
+        "initial_seconds": MAX_BACKOFF_SECONDS,
+        "max_seconds": MAX_BACKOFF_SECONDS,
+        "multiplier": 100.0,
+    }
+)
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -237,8 +261,15 @@ class RetryPolicy:
 
 
 def _number(value: Any, source: str, key: str, *, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise RetryPolicyError(source, key, f"must be a number >= 0, not {value!r}")
+    """``value`` if it is a finite number from 0 to the bound of ``key``'s last part."""
+    limit = _LIMITS[key.rsplit(".", 1)[-1]]
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0 <= value <= limit
+    ):
+        raise RetryPolicyError(source, key, f"must be a number from 0 to {limit:g}, not {value!r}")
     if integer and int(value) != value:
         raise RetryPolicyError(source, key, f"must be a whole number, not {value!r}")
     return value
@@ -285,30 +316,36 @@ def _budget_from(value: Any, default: ReasonBudget, source: str, key: str) -> Re
 
 
 def load_retry_policy(source: str | Path | Mapping[str, Any] | None) -> RetryPolicy:
-    """The policy from a run's YAML file, YAML text or parsed mapping with a ``retry_policy:``.
+    """The policy from YAML text, a parsed mapping, or a YAML file named by a ``Path``.
 
-    A mapping without that key is taken as the section itself. None gives the defaults.
+    A ``retry_policy:`` key is unwrapped; without it the whole is taken as the section. None
+    gives the defaults. A string is always YAML text, never a file name: it comes from run
+    config, and a file read from there could be any file the code location can see.
     """
     from pipeline import yamlio
 
     name = "retry_policy"
     if source is None:
         return RetryPolicy()
-    # A string naming a .yaml/.yml file is a path; any other string is YAML text.
-    if isinstance(source, Path) or (
-        isinstance(source, str) and source.strip().endswith((".yaml", ".yml"))
-    ):
-        path = Path(source)
-        name = str(path)
+    if isinstance(source, Path):
+        name = str(source)
         try:
-            loaded = yamlio.load_file(path)
+            loaded = yamlio.load_file(source)
         except yamlio.YamlError as exc:
-            raise RetryPolicyError(name, "", str(exc).removeprefix(f"{path}: ")) from exc
+            raise RetryPolicyError(name, "", str(exc).removeprefix(f"{source}: ")) from exc
     elif isinstance(source, str):
         try:
-            loaded = yamlio.loads(source, source="retry_policy")
+            loaded = yamlio.loads(source, source=name)
         except yamlio.YamlError as exc:
-            raise RetryPolicyError(name, "", str(exc).removeprefix("retry_policy: ")) from exc
+            raise RetryPolicyError(name, "", str(exc).removeprefix(f"{name}: ")) from exc
+        if isinstance(loaded, str):
+            # YAML reads a bare file name as a string: say so, rather than "not a mapping".
+            raise RetryPolicyError(
+                name,
+                "",
+                "must be inline YAML (e.g. 'preempted: {max_attempts: 3}'), not a file name: "
+                "files are not read from run config; paste the section itself",
+            )
     else:
         loaded = source
     if loaded is None:

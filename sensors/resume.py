@@ -5,14 +5,19 @@ The retry decision on the ended attempt says whether to continue; the run key ma
 continuation happen once; Dagster's own run retries stay off, so this sensor is the one owner.
 """
 
+import copy
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
 from assets.partitions import snapshot_partitions
+from pipeline import redact
 from pipeline.settings import AutomationSettings
 from resources import LedgerResource, StorageResource
+
+if TYPE_CHECKING:
+    from pipeline.continuation import Continuation
 
 AUTOMATION = AutomationSettings.from_env()
 
@@ -26,6 +31,10 @@ CONTINUATION_ASSETS = [
 
 CONTINUATION_TAG = "tracks/continuation"
 MAX_RELAUNCHES = 3
+
+
+class ContinuationRefusedError(Exception):
+    """A continuation that would not run the way the attempt it continues ran."""
 
 
 def _run_key(instance: dg.DagsterInstance, key: str) -> str | None:
@@ -69,13 +78,21 @@ def resume_after_preemption(
     now = datetime.now(UTC)
     requests: list[dg.RunRequest] = []
     new_partitions: list[str] = []
-    for c in pending_continuations(book):
+
+    def not_launched(run_key: str, why: str) -> None:
+        context.log.error(f"{run_key}: not launched: {redact.text(why)}")
+
+    for c in pending_continuations(book, on_skip=not_launched):
         # Each continuation on its own: one that cannot be launched is logged with its reason
         # and the others still go out on this tick.
         try:
             request = _request_for(context, storage, c, now, new_partitions)
+        except ContinuationRefusedError as exc:
+            not_launched(c.run_key, str(exc))
+            continue
         except Exception as exc:
-            context.log.error(f"{c.run_key}: not launched this tick: {type(exc).__name__}: {exc}")
+            said = redact.text(f"{type(exc).__name__}: {exc}")
+            context.log.error(f"{c.run_key}: not launched this tick: {said}")
             continue
         if request is not None:
             requests.append(request)
@@ -92,7 +109,7 @@ def resume_after_preemption(
 def _request_for(
     context: dg.SensorEvaluationContext,
     storage: StorageResource,
-    c: Any,
+    c: "Continuation",
     now: datetime,
     new_partitions: list[str],
 ) -> dg.RunRequest | None:
@@ -123,7 +140,7 @@ def _request_for(
         run_key=run_key,
         partition_key=c.run.snapshot_id,
         asset_selection=CONTINUATION_ASSETS,
-        run_config=_continuation_config(c),
+        run_config=_continuation_config(c, context.instance),
         tags={
             CONTINUATION_TAG: c.run_key,
             "tracks/run_id": c.run.run_id,
@@ -135,12 +152,46 @@ def _request_for(
     )
 
 
-def _continuation_config(c: Any) -> dict[str, Any]:
-    """Continue the run as it ran: N ranks under torchrun when the last attempt had N."""
+def _continuation_config(c: "Continuation", instance: dg.DagsterInstance) -> dict[str, Any]:
+    """Continue the run as it ran: on the trainer of the Dagster run that ran the last attempt.
+
+    Its ``resources.trainer`` run config is carried over unchanged (a Kubernetes backend, its
+    nodes and image with it). Without one, an attempt that ran N ranks on one machine gets N
+    ranks under torchrun. An attempt that ran on Kubernetes or on several nodes, whose Dagster
+    run is not on this instance to say how, is refused: guessing would run it on this machine.
+    """
     config: dict[str, Any] = {"ops": {"training_attempt": {"config": {"run_id": c.run.run_id}}}}
     placement = c.ended.placement or {}
+    nodes = int(placement.get("nodes") or 1)
+    on_kubernetes = placement.get("launcher") == "kubernetes"
+    dagster_run_id = c.ended.dagster_run_id
+    original = instance.get_run_by_id(dagster_run_id) if dagster_run_id else None
+    if original is not None:
+        trainer = (original.run_config.get("resources") or {}).get("trainer")
+        if trainer:
+            trainer = copy.deepcopy(trainer)
+            if isinstance(trainer.get("config"), dict):
+                # No longer run config (TRACKS_TRAINER_PYTHON): Dagster would refuse the key.
+                trainer["config"].pop("python_executable", None)
+            config["resources"] = {"trainer": trainer}
+            return config
+        if on_kubernetes or nodes > 1:
+            # It ran on this deployment's own trainer resource; so does its continuation.
+            return config
+    elif on_kubernetes or nodes > 1:
+        where = "on Kubernetes" if on_kubernetes else f"on {nodes} nodes"
+        found = (
+            f"its Dagster run {dagster_run_id} is not on this instance"
+            if dagster_run_id
+            else "it records no Dagster run"
+        )
+        raise ContinuationRefusedError(
+            f"attempt {c.ended.key} ran {where} and {found} to say how it was launched; "
+            "continuing it would run it on this machine instead. Launch attempt "
+            f"{c.next_attempt_no} with its resources.trainer run config by hand"
+        )
     ranks_per_node = int(placement.get("ranks_per_node") or 1)
-    if int(placement.get("nodes") or 1) == 1 and ranks_per_node > 1:
+    if nodes == 1 and ranks_per_node > 1:
         trainer = {"backend": "torchrun", "nproc_per_node": ranks_per_node}
         config["resources"] = {"trainer": {"config": trainer}}
     return config

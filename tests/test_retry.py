@@ -300,3 +300,64 @@ def test_policy_stored_on_the_run_and_decisions_on_the_attempt(tmp_path: Path) -
     stored = ledger.get_attempt("run-b", 1).retry_decision
     assert stored["rule"] == "diverged_rollback_once"
     assert stored["previous"]["resume_from"] == "/ckpt/step-200"
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("preempted: {backoff: {initial_seconds: .nan}}", "preempted.backoff.initial_seconds"),
+        ("preempted: {backoff: {initial_seconds: .inf}}", "preempted.backoff.initial_seconds"),
+        ("preempted: {backoff: {initial_seconds: 1.0e+12}}", "preempted.backoff.initial_seconds"),
+        ("infra_transient: {backoff: {max_seconds: .inf}}", "infra_transient.backoff.max_seconds"),
+        ("infra_transient: {backoff: {max_seconds: 86401}}", "infra_transient.backoff.max_seconds"),
+        ("timeout: {backoff: {multiplier: .nan}}", "timeout.backoff.multiplier"),
+        ("timeout: {backoff: {multiplier: 101}}", "timeout.backoff.multiplier"),
+        ("preempted: {max_attempts: .inf}", "preempted.max_attempts"),
+        ("preempted: {max_attempts: .nan}", "preempted.max_attempts"),
+        ("preempted: {max_attempts: 1001}", "preempted.max_attempts"),
+        ("oom: {max_gpu_seconds: .inf}", "oom.max_gpu_seconds"),
+        ("oom: {max_gpu_seconds: 1.0e+12}", "oom.max_gpu_seconds"),
+        ("diverged: {max_gpu_seconds: -.inf}", "diverged.max_gpu_seconds"),
+    ],
+)
+def test_a_policy_number_that_is_not_finite_or_past_its_bound_is_refused_by_key(
+    text: str, key: str
+) -> None:
+    import re
+
+    import yaml
+
+    # From run config (YAML text) and from a stored policy alike: both go through one check.
+    where = re.escape(f"retry_policy.{key}: must be a number from 0 to")
+    with pytest.raises(RetryPolicyError, match=where):
+        load_retry_policy(text)
+    with pytest.raises(RetryPolicyError, match=f"run r1: {where}"):
+        RetryPolicy.from_json(yaml.safe_load(text), source="run r1")
+
+
+def test_a_policy_at_its_bounds_loads_and_its_longest_wait_is_a_day() -> None:
+    policy = load_retry_policy(
+        "infra_transient:\n"
+        "  max_attempts: 1000\n"
+        "  max_gpu_seconds: 31536000\n"
+        "  backoff: {initial_seconds: 86400, max_seconds: 0, multiplier: 100}\n"
+    )
+    backoff = policy.budgets[R.INFRA_TRANSIENT].backoff
+    assert policy.budgets[R.INFRA_TRANSIENT].max_attempts == 1000
+    # 100**999 is past the float range; the wait is still a day, not an OverflowError.
+    assert backoff.delay(1000) == 86400.0
+    assert Backoff(initial_seconds=30, max_seconds=0, multiplier=2).delay(30) == 86400.0
+
+
+def test_run_config_retry_policy_is_inline_yaml_never_a_file(tmp_path: Path) -> None:
+    """A string from run config never names a file to read, wherever it points."""
+    secret = tmp_path / "policy.yaml"
+    secret.write_text("preempted: {max_attempts: 2}\nlearning_rate: hunter2\n")
+    for text in (str(secret), "policy.yml", "/etc/passwd", "  ../../etc/tracks.yaml\n"):
+        with pytest.raises(RetryPolicyError, match=r"inline YAML.*not a file name") as info:
+            load_retry_policy(text)
+        assert "hunter2" not in str(info.value)
+    # Code may still hand over a file, as a Path.
+    given = tmp_path / "given.yaml"
+    given.write_text("retry_policy:\n  preempted: {max_attempts: 2}\n")
+    assert load_retry_policy(given).budgets[R.PREEMPTED].max_attempts == 2

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -82,6 +85,8 @@ def _ended_attempt(
     *,
     policy: RetryPolicy | None = None,
     run_id: str = "r1",
+    placement: dict[str, Any] | None = None,
+    dagster_run_id: str | None = None,
 ) -> None:
     ledger.create_run(
         run_id=run_id, model_family="digits-cnn", owner="t", purpose="baseline",
@@ -92,7 +97,8 @@ def _ended_attempt(
         run_id,
         AttemptStart(
             config_snapshot={"max_steps": 10}, config_sha256="c" * 64,
-            data_manifest_sha256="d" * 64, container_digest="env", placement={},
+            data_manifest_sha256="d" * 64, container_digest="env", placement=placement or {},
+            dagster_run_id=dagster_run_id,
         ),
     )  # fmt: skip
     ended = ledger.end_attempt(run_id, 1, termination_reason=reason, termination_detail="test")
@@ -106,8 +112,24 @@ def _ended_attempt(
 SNAPSHOT = "digits-00000000000000aa"
 
 
+class _Lines(logging.Handler):
+    """The messages a sensor logged, to check what it said about a run it did not launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _resume_tick(
-    ledger: Ledger, *, partitions: tuple[str, ...] = (SNAPSHOT,), root: Path | None = None
+    ledger: Ledger,
+    *,
+    partitions: tuple[str, ...] = (SNAPSHOT,),
+    root: Path | None = None,
+    dagster_runs: Sequence[dg.DagsterRun] = (),
+    logged: list[str] | None = None,
 ) -> dg.SensorResult | dg.SkipReason:
     root = root or Path(ledger.url.removeprefix("sqlite:///")).parent / "tracks"
     storage = StorageResource(
@@ -117,13 +139,22 @@ def _resume_tick(
     with dg.instance_for_test() as instance:
         # Runs launched through Dagster train on a snapshot that is a partition already.
         instance.add_dynamic_partitions("snapshots", list(partitions))
+        for run in dagster_runs:  # the Dagster runs that ran earlier attempts
+            instance.add_run(run)
         # Entered and left inside the instance's block: a context left to the garbage collector
         # exits the instance late and puts its state storage back for whichever test runs next.
         with dg.build_sensor_context(
             instance=instance,
             resources={"ledger": LedgerResource(url=ledger.url), "storage": storage},
         ) as context:
-            return resume_after_preemption(context)
+            lines = _Lines()
+            context.log.addHandler(lines)
+            try:
+                return resume_after_preemption(context)
+            finally:
+                context.log.removeHandler(lines)
+                if logged is not None:
+                    logged.extend(lines.lines)
 
 
 def test_preempted_attempt_is_resumed_once_with_the_same_run(tmp_path: Path) -> None:
@@ -307,12 +338,134 @@ def test_a_continuation_runs_with_as_many_ranks_as_the_attempt_it_continues() ->
 
     from sensors.resume import _continuation_config
 
-    def continuation(placement: dict) -> SimpleNamespace:
+    def continuation(placement: dict) -> Any:
         return SimpleNamespace(
-            run=SimpleNamespace(run_id="run-1"), ended=SimpleNamespace(placement=placement)
+            run=SimpleNamespace(run_id="run-1"),
+            ended=SimpleNamespace(placement=placement, dagster_run_id=None),
         )
 
-    one = _continuation_config(continuation({"world_size": 1}))
+    with dg.instance_for_test() as instance:
+        one = _continuation_config(continuation({"world_size": 1}), instance)
+        two = _continuation_config(
+            continuation({"world_size": 2, "ranks_per_node": 2, "nodes": 1}), instance
+        )
     assert one == {"ops": {"training_attempt": {"config": {"run_id": "run-1"}}}}
-    two = _continuation_config(continuation({"world_size": 2, "ranks_per_node": 2, "nodes": 1}))
     assert two["resources"] == {"trainer": {"config": {"backend": "torchrun", "nproc_per_node": 2}}}
+
+
+def test_a_continuation_runs_on_the_trainer_its_dagster_run_had_or_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Kubernetes and several nodes are carried over from the Dagster run, never guessed."""
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    on_kube = {"launcher": "kubernetes", "nodes": 2, "ranks_per_node": 4, "world_size": 8}
+    trainer = {"config": {"backend": "kubernetes", "nnodes": 2, "nproc_per_node": 4,
+                          "image": "registry.example/tracks@sha256:" + "a" * 64}}  # fmt: skip
+    runs = [
+        dg.DagsterRun(job_name="__ASSET_JOB", run_id="dr-kube",
+                      run_config={"resources": {"trainer": trainer}}),
+        # Launched on the deployment's own trainer resource: nothing to carry over.
+        dg.DagsterRun(job_name="__ASSET_JOB", run_id="dr-local", run_config={}),
+    ]  # fmt: skip
+    P = TerminationReason.PREEMPTED
+    _ended_attempt(ledger, P, run_id="kube", placement=on_kube, dagster_run_id="dr-kube")
+    _ended_attempt(ledger, P, run_id="kube-lost", placement=on_kube, dagster_run_id="dr-gone")
+    _ended_attempt(ledger, P, run_id="two-nodes", placement={"nodes": 2, "ranks_per_node": 2})
+    _ended_attempt(
+        ledger, P, run_id="local", placement={"nodes": 1, "ranks_per_node": 2},
+        dagster_run_id="dr-local",
+    )  # fmt: skip
+    logged: list[str] = []
+    result = _resume_tick(ledger, dagster_runs=runs, logged=logged)
+    assert isinstance(result, dg.SensorResult)
+    requests = {r.run_key: r.run_config.get("resources") for r in result.run_requests}
+    assert requests == {
+        "kube:attempt-2": {"trainer": trainer},
+        "local:attempt-2": {"trainer": {"config": {"backend": "torchrun", "nproc_per_node": 2}}},
+    }
+    refused = [line for line in logged if ": not launched: " in line]
+    assert len(refused) == 2, logged
+    assert any(
+        line.startswith("kube-lost:attempt-2: not launched: attempt kube-lost#1 ran on Kubernetes")
+        and "dr-gone is not on this instance" in line
+        for line in refused
+    ), refused
+    assert any(
+        line.startswith("two-nodes:attempt-2: not launched: attempt two-nodes#1 ran on 2 nodes")
+        for line in refused
+    ), refused
+
+
+def _corrupt_backoff(ledger: Ledger, run_id: str, seconds: float) -> None:
+    stored = dict(ledger.get_attempt(run_id, 1).retry_decision)
+    ledger.set_retry_decision(run_id, 1, {**stored, "backoff_seconds": seconds})
+
+
+def test_a_decision_whose_wait_is_no_time_is_skipped_and_the_others_resume(
+    tmp_path: Path,
+) -> None:
+    from pipeline.continuation import pending_continuations
+
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    for run_id in ("healthy", "nan-wait", "huge-wait", "far-wait"):
+        _ended_attempt(ledger, TerminationReason.PREEMPTED, run_id=run_id)
+    _corrupt_backoff(ledger, "nan-wait", float("nan"))
+    _corrupt_backoff(ledger, "huge-wait", 1e300)  # past timedelta
+    _corrupt_backoff(ledger, "far-wait", 1e12)  # a timedelta, but past datetime.max
+    skipped: list[tuple[str, str]] = []
+    pending = pending_continuations(ledger, on_skip=lambda key, why: skipped.append((key, why)))
+    assert [c.run_key for c in pending] == ["healthy:attempt-2"]
+    assert sorted(key for key, _ in skipped) == [
+        "far-wait:attempt-2",
+        "huge-wait:attempt-2",
+        "nan-wait:attempt-2",
+    ]
+    assert all("retry decision stored on attempt" in why for _, why in skipped)
+
+    logged: list[str] = []
+    result = _resume_tick(ledger, logged=logged)
+    assert isinstance(result, dg.SensorResult)
+    assert [r.run_key for r in result.run_requests] == ["healthy:attempt-2"]
+    assert any(line.startswith("nan-wait:attempt-2: not launched: ") for line in logged), logged
+
+
+def test_a_silent_attempt_of_a_run_whose_stored_policy_does_not_load_stops_alone(
+    tmp_path: Path,
+) -> None:
+    import sqlalchemy as sa
+
+    from pipeline.ledger.schema import training_runs
+
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    _silent_attempt(ledger, run_id="legacy")
+    _silent_attempt(ledger, run_id="fine")
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            sa.update(training_runs)
+            .where(training_runs.c.run_id == "legacy")
+            .values(retry_policy={"preempted": {"backoff": {"initial_seconds": 1e12}}})
+        )
+    result = _resume_tick(ledger)
+    assert isinstance(result, dg.SensorResult)
+    assert [r.run_key for r in result.run_requests] == ["fine:attempt-2"]
+    decision = ledger.get_attempt("legacy", 1).retry_decision
+    assert decision["action"] == "stop" and decision["rule"] == "retry_policy_unreadable"
+    assert "preempted.backoff.initial_seconds" in decision["reason"]
+    assert ledger.get_run("legacy").status == RunStatus.FAILED
+
+
+def test_an_error_that_stops_a_continuation_is_logged_without_secrets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sensors.resume
+
+    def unreachable(instance: dg.DagsterInstance, key: str) -> str:
+        raise ConnectionError("postgresql://tracks:hunter2@db.internal/dagster is unreachable")
+
+    monkeypatch.setattr(sensors.resume, "_run_key", unreachable)
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    _ended_attempt(ledger, TerminationReason.PREEMPTED)
+    logged: list[str] = []
+    assert isinstance(_resume_tick(ledger, logged=logged), dg.SkipReason)
+    [line] = [line for line in logged if "r1:attempt-2: not launched" in line]
+    assert "hunter2" not in line and "db.internal/dagster is unreachable" in line
