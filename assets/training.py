@@ -315,7 +315,7 @@ def committed_checkpoint(
     context: dg.AssetExecutionContext, ledger: LedgerResource, storage: StorageResource
 ) -> dg.MaterializeResult:
     from pipeline import safepath
-    from pipeline.checkpoint import verify_checkpoint
+    from pipeline.checkpoint import CheckpointError, verify_checkpoint
 
     attempt_meta = upstream_metadata(context, "training_attempt", context.partition_key)
     run_id = ids.run_id(attempt_meta["run_id"])
@@ -325,8 +325,13 @@ def committed_checkpoint(
         raise dg.Failure(f"run {run_id} has no committed checkpoint", allow_retries=False)
     # What is stated below is what was verified on disk, under the checkpoint store, and it
     # must be what the ledger committed: a folder rewritten since would verify on its own.
-    path = safepath.no_symlinks(storage.checkpoints(), Path(checkpoint.path))
-    info = verify_checkpoint(path)
+    try:
+        path = safepath.no_symlinks(storage.checkpoints(), Path(checkpoint.path))
+        info = verify_checkpoint(path)
+    except (safepath.UnsafePathError, CheckpointError) as exc:
+        raise dg.Failure(
+            description=f"run {run_id}'s committed checkpoint: {exc}", allow_retries=False
+        ) from exc
     if info.manifest_sha256 != checkpoint.manifest_sha256:
         raise dg.Failure(
             f"checkpoint {path} verifies with manifest {info.manifest_sha256[:16]}, but the "

@@ -22,6 +22,7 @@ from pipeline.definitions import build_definitions
 from pipeline.ledger import AttemptStart, Ledger
 from pipeline.settings import TracksSettings
 from pipeline.states import TerminationReason
+from tests.test_checkpoint import RUN_ID
 
 pytestmark = pytest.mark.slow
 RUN = "digits-cnn-continued"
@@ -108,3 +109,68 @@ def test_promotion_refuses_a_model_name_serving_could_never_load(tmp_path: Path,
             snapshot_id="digits-0123456789abcdef", model_name=name,
         )  # fmt: skip
     assert not (tmp_path / "mlflow.db").exists()  # refused before MLflow was touched
+
+
+@pytest.mark.parametrize("tamper", [None, "manifest", "outside"])
+def test_committed_checkpoint_states_what_it_verified_and_what_the_ledger_committed(
+    tmp_path: Path, tracks_home: Path, tamper: str | None
+) -> None:
+    """The folder must verify, lie under the checkpoint store, and carry the manifest the
+    ledger committed: a folder rewritten since, or a ledger row pointing elsewhere, would
+    otherwise be stated as the run's checkpoint."""
+    import shutil
+
+    import sqlalchemy as sa
+
+    from assets.training import committed_checkpoint
+    from pipeline.ledger import schema
+    from resources import LedgerResource, StorageResource
+    from tests.test_checkpoint import _data, _ledger_run, _manager, _state
+
+    run = _ledger_run(tmp_path)
+    manager = _manager(tmp_path, ledger=run.ledger, attempt=run.attempt_no, token=run.token)
+    saved = manager.save(_state(_data())).path
+    t = schema.checkpoints
+    if tamper == "manifest":
+        with run.ledger.engine.begin() as conn:
+            conn.execute(sa.update(t).values(manifest_sha256="0" * 64))
+    elif tamper == "outside":
+        elsewhere = tmp_path / "elsewhere" / saved.name
+        shutil.copytree(saved, elsewhere)
+        with run.ledger.engine.begin() as conn:
+            conn.execute(sa.update(t).values(path=str(elsewhere)))
+    partition = "digits-0123456789abcdef"
+    with dg.DagsterInstance.get() as instance:
+        instance.add_dynamic_partitions("snapshots", [partition])
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(
+                "training_attempt", partition=partition, metadata={"run_id": RUN_ID}
+            )
+        )
+        result = dg.materialize(
+            [committed_checkpoint],
+            partition_key=partition,
+            instance=instance,
+            resources={
+                "ledger": LedgerResource(url=f"sqlite:///{tmp_path / 'ledger.db'}"),
+                "storage": StorageResource(
+                    landing_root=str(tmp_path),
+                    snapshot_root=str(tmp_path),
+                    checkpoint_root=str(tmp_path / "store"),
+                    work_root=str(tmp_path),
+                ),
+            },
+            raise_on_error=False,
+        )
+    if tamper is None:
+        assert result.success
+        [materialization] = result.asset_materializations_for_node("committed_checkpoint")
+        assert (
+            materialization.metadata["manifest_sha256"].value
+            == manager.last_committed.manifest_sha256
+        )
+        return
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    said = failure.event_specific_data.error.message
+    assert ("not the checkpoint the run committed" if tamper == "manifest" else "outside") in said
