@@ -31,6 +31,7 @@ CONTINUATION_ASSETS = [
 
 CONTINUATION_TAG = "tracks/continuation"
 MAX_RELAUNCHES = 3
+SENSOR_NAME = "resume_after_preemption"
 
 
 class ContinuationRefusedError(Exception):
@@ -42,9 +43,12 @@ def _run_key(instance: dg.DagsterInstance, key: str) -> str | None:
 
     A Dagster run that dies before it opens the attempt (its process failed to start, the code
     location failed to load) leaves the ledger unchanged: the same continuation is still due,
-    under a fresh key, a bounded number of times.
+    under a fresh key, a bounded number of times. Only the runs this sensor launched count
+    (Dagster's daemon tags them with its name): a run a person tagged with the continuation's
+    key does not use up its relaunches.
     """
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={CONTINUATION_TAG: key}))
+    tags = {CONTINUATION_TAG: key, "dagster/sensor_name": SENSOR_NAME}
+    runs = instance.get_runs(filters=dg.RunsFilter(tags=tags))
     if not runs or any(not r.is_finished for r in runs):
         return key
     if len(runs) >= MAX_RELAUNCHES:
@@ -53,7 +57,7 @@ def _run_key(instance: dg.DagsterInstance, key: str) -> str | None:
 
 
 @dg.sensor(
-    name="resume_after_preemption",
+    name=SENSOR_NAME,
     minimum_interval_seconds=AUTOMATION.resume_interval_seconds,
     default_status=dg.DefaultSensorStatus.RUNNING,
     asset_selection=CONTINUATION_ASSETS,
@@ -147,7 +151,7 @@ def _request_for(
             "tracks/continues_attempt": str(c.ended.attempt_no),
             "tracks/decision": str(c.decision.action),
             "tracks/rule": c.decision.rule,
-            "tracks/launched_by": "sensor:resume_after_preemption",
+            "tracks/launched_by": f"sensor:{SENSOR_NAME}",
         },
     )
 

@@ -469,3 +469,31 @@ def test_an_error_that_stops_a_continuation_is_logged_without_secrets(
     assert isinstance(_resume_tick(ledger, logged=logged), dg.SkipReason)
     [line] = [line for line in logged if "r1:attempt-2: not launched" in line]
     assert "hunter2" not in line and "db.internal/dagster is unreachable" in line
+
+
+def test_only_the_sensors_own_runs_use_up_a_continuations_relaunches(tmp_path: Path) -> None:
+    """A continuation whose Dagster runs died before opening the attempt is relaunched under a
+    fresh key, at most MAX_RELAUNCHES times; runs a person tagged with its key do not count."""
+    from sensors.resume import CONTINUATION_TAG, MAX_RELAUNCHES, SENSOR_NAME
+
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    _ended_attempt(ledger, TerminationReason.PREEMPTED)
+    key = "r1:attempt-2"
+
+    def died(n: int, *, by_sensor: bool) -> dg.DagsterRun:
+        tags = {CONTINUATION_TAG: key}
+        if by_sensor:
+            tags["dagster/sensor_name"] = SENSOR_NAME
+        return dg.DagsterRun(
+            job_name="__ASSET_JOB", run_id=f"dr-{by_sensor}-{n}", tags=tags,
+            status=dg.DagsterRunStatus.FAILURE,
+        )  # fmt: skip
+
+    by_hand = [died(n, by_sensor=False) for n in range(5)]
+    [request] = _resume_tick(ledger, dagster_runs=by_hand).run_requests  # type: ignore[union-attr]
+    assert request.run_key == key
+    once = [died(0, by_sensor=True)]
+    [request] = _resume_tick(ledger, dagster_runs=by_hand + once).run_requests  # type: ignore[union-attr]
+    assert request.run_key == f"{key}#relaunch-1"
+    spent = [died(n, by_sensor=True) for n in range(MAX_RELAUNCHES)]
+    assert isinstance(_resume_tick(ledger, dagster_runs=spent), dg.SkipReason)
