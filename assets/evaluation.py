@@ -8,6 +8,7 @@ from typing import Any
 
 import dagster as dg
 
+from assets.failures import step_failure
 from assets.lineage import upstream_metadata
 from assets.partitions import snapshot_partitions
 from pipeline.plots import confusion_matrix_markdown, table_markdown
@@ -68,15 +69,17 @@ def evaluation(
                 decision = decide_evaluation(policy_for_run(run), so_far, crashed)
                 context.log.warning(f"{exc} Next: {decision.reason}")
                 if decision.action == RetryAction.RETRY_EVALUATOR:
+                    # Not chained: Dagster would store the evaluator's raw error (see
+                    # assets/failures.py); the warning above says what happened.
                     raise dg.RetryRequested(
                         max_retries=context.retry_number + 1,
                         seconds_to_wait=decision.backoff_seconds,
-                    ) from exc
-                raise dg.Failure(
-                    description=f"{exc} {decision.reason}",
+                    ) from None
+                raise step_failure(
+                    f"{exc} {decision.reason}",
+                    exc,
                     metadata={"retry_decision": dg.MetadataValue.json(decision.to_json())},
-                    allow_retries=False,
-                ) from exc
+                ) from None
         else:
             context.log.info(f"{name} already evaluated this checkpoint: {record.evaluation_id}")
         records.append(record)

@@ -5,6 +5,7 @@ from typing import Any
 
 import dagster as dg
 
+from assets.failures import step_failure
 from assets.lineage import upstream_metadata
 from assets.partitions import snapshot_partitions
 from resources import LedgerResource, MlflowResource, StorageResource, core_settings
@@ -38,9 +39,7 @@ def promoted_model(
     try:
         ids.model_name(config.model_name)
     except ids.InvalidIdError as exc:
-        raise dg.Failure(
-            description=f"run config of promoted_model: {exc}", allow_retries=False
-        ) from exc
+        raise step_failure(f"run config of promoted_model: {exc}", exc) from None
     checkpoint = upstream_metadata(context, "committed_checkpoint", context.partition_key)
     decision = promote(
         ledger=ledger.ledger(),

@@ -7,6 +7,7 @@ from typing import Any
 import dagster as dg
 from dagster._core.errors import DagsterExecutionInterruptedError
 
+from assets.failures import step_failure
 from assets.launch import launched_by
 from assets.lineage import upstream_metadata
 from assets.partitions import snapshot_partitions
@@ -167,13 +168,13 @@ def training_attempt(
             snapshot, snapshot_root=storage.snapshots(), ledger=book, dagster_run_id=context.run_id
         )
     except DataError as exc:
-        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+        raise step_failure(str(exc), exc) from None
     try:
         # A bad backend, rank count or Kubernetes field (an inline credential included) is
         # refused before an attempt is opened.
         trainer.world(PreparedAttempt.trainer_env(book.url, mlflow.tracking_uri))
     except ValueError as exc:
-        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+        raise step_failure(str(exc), exc) from None
     try:
         train_config = TrainConfig.from_dict(
             _config_for_attempt(book, config, snapshot), source="run config of training_attempt"
@@ -199,11 +200,9 @@ def training_attempt(
             launched_by=launched_by(context.run.tags),
         )
     except ids.InvalidIdError as exc:  # model_family or run_id
-        raise dg.Failure(
-            description=f"run config of training_attempt: {exc}", allow_retries=False
-        ) from exc
+        raise step_failure(f"run config of training_attempt: {exc}", exc) from None
     except (ConfigError, RetryPolicyError, AttemptRefusedError, LedgerError) as exc:
-        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+        raise step_failure(str(exc), exc) from None
 
     run, attempt = prepared.run, prepared.attempt
     context.log.info(
@@ -329,9 +328,7 @@ def committed_checkpoint(
         path = safepath.no_symlinks(storage.checkpoints(), Path(checkpoint.path))
         info = verify_checkpoint(path)
     except (safepath.UnsafePathError, CheckpointError) as exc:
-        raise dg.Failure(
-            description=f"run {run_id}'s committed checkpoint: {exc}", allow_retries=False
-        ) from exc
+        raise step_failure(f"run {run_id}'s committed checkpoint: {exc}", exc) from None
     if info.manifest_sha256 != checkpoint.manifest_sha256:
         raise dg.Failure(
             f"checkpoint {path} verifies with manifest {info.manifest_sha256[:16]}, but the "

@@ -174,3 +174,28 @@ def test_committed_checkpoint_states_what_it_verified_and_what_the_ledger_commit
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     said = failure.event_specific_data.error.message
     assert ("not the checkpoint the run committed" if tamper == "manifest" else "outside") in said
+
+
+def test_a_refused_run_config_leaves_no_password_in_dagsters_event_log(tracks_home: Path) -> None:
+    """Dagster stores a failure's description and its Python cause chain as they are: both
+    reach the UI. A value quoting a URL with its password is refused without showing it."""
+    settings = TracksSettings.from_env()
+    settings.ensure_dirs()
+    write_digits_landing(settings.landing_root)
+    snapshot = create_snapshot(settings.landing_root, settings.snapshot_root)
+    policy = "preempted: {backoff: {initial_seconds: 'postgresql://u:HUNTER2@db/x'}}"
+    defs = build_definitions(settings)
+    with dg.DagsterInstance.get() as instance:
+        instance.add_dynamic_partitions("snapshots", [snapshot.snapshot_id])
+        result = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+            instance=instance,
+            partition_key=snapshot.snapshot_id,
+            asset_selection=[dg.AssetKey("training_attempt")],
+            run_config={"ops": {"training_attempt": {"config": {"retry_policy": policy}}}},
+            raise_on_error=False,
+        )
+        events = instance.all_logs(result.run_id)
+    assert not result.success
+    logged = " ".join(str(e.dagster_event) for e in events if e.dagster_event)
+    assert "retry_policy.preempted.backoff.initial_seconds" in logged
+    assert "postgresql://u:***@db/x" in logged and "HUNTER2" not in logged
