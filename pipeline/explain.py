@@ -109,7 +109,7 @@ def _mark(attempt: AttemptRecord, focus: int | None) -> str:
 _STATUS_WORDS = {
     "running": "an attempt is running, or the retry policy will start another",
     "trained": "training finished; not promoted (yet)",
-    "promoted": "its checkpoint is the champion",
+    "promoted": "its checkpoint became the champion; the Promotion section says what since",
     "refused": "trained, but the promotion gate refused it",
     "failed": "stopped by the retry policy",
 }
@@ -118,9 +118,9 @@ _STATUS_WORDS = {
 def _status_line(run: RunRecord, promotions: Sequence[PromotionRecord]) -> str:
     line = f"Status **{run.status}** ({_STATUS_WORDS.get(run.status, 'unknown status')})"
     if run.status == "refused":
-        refused = [p for p in promotions if p.decision == "refused"]
+        refused = [p for p in promotions if p.decision == "refused"]  # newest first
         if refused:
-            line += f" — **promotion refused**: {refused[-1].reason}"
+            line += f" — **promotion refused**: {refused[0].reason}"
     return line
 
 
@@ -385,6 +385,8 @@ def _launch_words(a: AttemptRecord) -> str:
     if launched:
         who = launched.get("via", "unknown")
         extra = [f"user {launched['user']}"] if launched.get("user") else []
+        if launched.get("claimed"):
+            extra.append(f"its tags claimed {launched['claimed']}")
         if launched.get("dagster_run_id"):
             extra.append(f"Dagster run {launched['dagster_run_id']}")
         out.append(f"Launched by **{who}**" + (f" ({', '.join(extra)})" if extra else "") + ".")

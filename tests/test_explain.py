@@ -217,7 +217,10 @@ def test_explain_tells_the_whole_story_of_the_run(scenario_ledger: Ledger) -> No
     page = explain(scenario_ledger, RUN)
     assert page.startswith(f"# Run {RUN}\n")
     # The promotion recorded at the end moved the run from trained to promoted.
-    assert "Status **promoted** (its checkpoint is the champion), after 4 attempt(s)" in page
+    assert (
+        "Status **promoted** (its checkpoint became the champion; the Promotion section says"
+        in page
+    )
     assert "1.50 GPU-hours" in page
     assert (
         "The latest attempt, 4, ended **succeeded** and the retry policy decided **none**" in page
@@ -387,3 +390,33 @@ def test_a_password_quoted_in_an_attempts_detail_is_never_stored_or_shown(
         assert result.exit_code == 0, result.output
         assert "tracks:***@db:5432" in result.output, args
         assert "HUNTER" not in result.output and "OLDSECRET" not in result.output, args
+
+
+def test_the_status_line_quotes_the_newest_refusal_and_a_promotion_is_not_undone(
+    ledger_url: str,
+) -> None:
+    ledger = Ledger.open(ledger_url)
+    ledger.create_run(
+        run_id="r-gated", model_family="digits-cnn", owner="ana", purpose="baseline",
+        config_sha256="a" * 64, snapshot_id=SNAPSHOT,
+    )  # fmt: skip
+    now = datetime.now(UTC)
+
+    def gate(n: int, decision: str, reason: str) -> None:
+        ledger.record_promotion(
+            PromotionRecord(
+                promotion_id=f"pr-{n}", run_id="r-gated", attempt_no=1, checkpoint_path="/c",
+                checkpoint_manifest_sha256="0" * 64, snapshot_id=SNAPSHOT, decision=decision,
+                reason=reason, evaluation_ids=[], gate={}, model_name="digits-cnn",
+                decided_at=now + timedelta(minutes=n),
+            )
+        )  # fmt: skip
+
+    gate(1, "refused", "Refused: the older reason.")
+    gate(2, "refused", "Refused: the newer reason.")
+    assert "**promotion refused**: Refused: the newer reason." in explain(ledger, "r-gated")
+    gate(3, "promoted", "Passed.")
+    gate(4, "refused", "Refused: a newer champion is better.")
+    assert ledger.get_run("r-gated").status == "promoted"
+    page = explain(ledger, "r-gated")
+    assert "Status **promoted**" in page and "a newer champion is better" in page

@@ -31,6 +31,15 @@ def test_launched_by_reads_the_evidence(tags: dict[str, str], via: str) -> None:
         ({"tracks/launched_by": "schedule:nightly_retrain"}, "ui"),
         # Dagster's daemon left its evidence: that wins over the tag.
         ({"tracks/launched_by": "cli:tracks demo", "dagster/sensor_name": "x"}, "sensor:x"),
+        # A person re-executed a sensor's run: it inherits the sensor's tags.
+        (
+            {
+                "tracks/launched_by": "sensor:new_snapshot",
+                "dagster/sensor_name": "new_snapshot",
+                "dagster/parent_run_id": "abcd",
+            },
+            "reexecution:abcd",
+        ),
     ],
 )
 def test_a_tag_anyone_can_set_is_kept_as_a_claim_not_believed(

@@ -923,9 +923,12 @@ class Ledger:
             ).first()
             if exists is None:
                 conn.execute(sa.insert(promotions).values(**values))
-            conn.execute(
-                sa.update(runs).where(runs.c.run_id == record.run_id).values(status=str(status))
-            )
+            update = sa.update(runs).where(runs.c.run_id == record.run_id)
+            if status == RunStatus.REFUSED:
+                # A run whose checkpoint once became the champion stays "promoted": a later
+                # refusal (the gate run again against a newer champion) is a row of its own.
+                update = update.where(runs.c.status != str(RunStatus.PROMOTED))
+            conn.execute(update.values(status=str(status)))
 
         self._tx(_record)
         return record
