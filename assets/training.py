@@ -207,7 +207,11 @@ def training_attempt(
     run, attempt = prepared.run, prepared.attempt
     context.log.info(
         f"attempt {attempt.key} starts"
-        + (f", resuming from {prepared.resume_from.path}" if prepared.resume_from else " fresh")
+        + (
+            f", planning to resume from {prepared.planned_resume_from.path}"
+            if prepared.planned_resume_from
+            else ", planning a fresh start"
+        )
     )
     outcome: TrainerExit | None = None
     interrupted = False
@@ -266,12 +270,17 @@ def training_attempt(
         raise dg.Failure(description=description, metadata=metadata, allow_retries=False)
 
     steps = _messages(outcome, "step") if outcome else []
+    # The receipt, not the plan: where the trainer reported it resumed from.
+    resumed_from = finished.attempt.resumed_from_checkpoint
     commits = _messages(outcome, "checkpoint_committed") if outcome else []
     metadata |= {
         "config_sha256": prepared.train_config.sha256(),
         "snapshot_id": snapshot.snapshot_id,
         "data_manifest_sha256": snapshot.manifest_sha256,
-        "resumed_from_checkpoint": prepared.resume_from.path if prepared.resume_from else "none",
+        "resumed_from_checkpoint": resumed_from or "none",
+        "restored_step": finished.attempt.restored_step
+        if finished.attempt.restored_step is not None
+        else "unknown",
         "checkpoints_committed": dg.MetadataValue.json(
             [{k: c[k] for k in ("step", "path", "stall_seconds") if k in c} for c in commits]
         ),
@@ -319,9 +328,14 @@ def committed_checkpoint(
     attempt_meta = upstream_metadata(context, "training_attempt", context.partition_key)
     run_id = ids.run_id(attempt_meta["run_id"])
     book = ledger.ledger()
-    checkpoint = book.latest_committed_checkpoint(run_id)
+    # The run's result: the newest succeeded attempt's final commit, not the highest step (a
+    # failed attempt may have committed past the max_steps its relaunch lowered).
+    checkpoint = book.latest_committed_checkpoint(run_id, final=True)
     if checkpoint is None:
-        raise dg.Failure(f"run {run_id} has no committed checkpoint", allow_retries=False)
+        raise dg.Failure(
+            f"run {run_id} has no committed checkpoint from a succeeded attempt",
+            allow_retries=False,
+        )
     # What is stated below is what was verified on disk, under the checkpoint store, and it
     # must be what the ledger committed: a folder rewritten since would verify on its own.
     try:

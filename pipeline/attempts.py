@@ -65,7 +65,9 @@ class PreparedAttempt:
     attempt: AttemptRecord
     train_config: TrainConfig
     config_path: Path
-    resume_from: CheckpointRecord | None
+    # The plan only: the checkpoint the trainer is expected to resume from. It may skip it (a
+    # corrupt one, another config's), so the receipt records what the trainer reports instead.
+    planned_resume_from: CheckpointRecord | None
     oom_kills_before: int | None
 
     def trainer_args(self, store: Path) -> list[str]:
@@ -157,7 +159,7 @@ def prepare_attempt(
     config_path = run_dir / f"config-{train_config.sha256()[:12]}.yaml"
     config_path.write_text(yaml.safe_dump(resolved, sort_keys=True))
 
-    resume_from = ledger.latest_committed_checkpoint(run.run_id)
+    planned = ledger.latest_committed_checkpoint(run.run_id)
     attempt = ledger.begin_attempt(
         run.run_id,
         AttemptStart(
@@ -168,7 +170,9 @@ def prepare_attempt(
             placement=placement(),
             dagster_run_id=dagster_run_id,
             code_commit=run.code_commit,
-            resumed_from_checkpoint=resume_from.path if resume_from else None,
+            # Nothing is restored yet: resumed_from/restored_step stay empty until the trainer
+            # reports its restore, so an attempt that dies loading data claims no restore.
+            resumed_from_checkpoint=None,
             launched_by={**(launched_by or {"via": "api"}), "dagster_run_id": dagster_run_id},
             admission=admission,
         ),
@@ -178,7 +182,7 @@ def prepare_attempt(
         attempt=attempt,
         train_config=train_config,
         config_path=config_path,
-        resume_from=resume_from,
+        planned_resume_from=planned,
         oom_kills_before=read_cgroup_oom_kills(),
     )
 
@@ -224,11 +228,28 @@ def _words_field(words: dict[str, Any] | None, key: str, kind: type) -> Any:
     return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
-def _accelerators(placement: dict[str, Any]) -> int:
+def accelerators_held(placement: dict[str, Any]) -> int:
     """Accelerators the attempt held: one per rank when distributed, else every visible one."""
     visible = int(placement.get("accelerator_count") or 0)
     world = int(placement.get("world_size") or 1)
     return world if visible and world > 1 else visible
+
+
+def step_reached(ledger: Ledger, attempt: AttemptRecord, said: int | None = None) -> int | None:
+    """The furthest step this attempt itself is known to have reached.
+
+    Evidence of this attempt only: the checkpoints it committed, the step it restored, and
+    ``said`` (its own last words). Another attempt's checkpoint proves nothing about this one:
+    a retry that started fresh after an OOM never reached the step its predecessor committed.
+    """
+    fresh = ledger.get_attempt(attempt.run_id, attempt.attempt_no)
+    own = [
+        c.step
+        for c in ledger.checkpoints(attempt.run_id)
+        if c.attempt_no == attempt.attempt_no and c.committed_at is not None
+    ]
+    steps = [*own, fresh.restored_step, said]
+    return max((s for s in steps if s is not None), default=None)
 
 
 def _first_failed_rank(store: Path, run_id: str, attempt_no: int) -> dict[str, Any] | None:
@@ -311,7 +332,10 @@ def end_self_owned_attempt(
     found = stored_evidence(store, run_id, attempt_no, first_failure)
     latest = ledger.latest_committed_checkpoint(run_id)
     steps = [s for s in (latest.step if latest else None, found.reached, reached) if s is not None]
-    last_step = max(steps, default=None)
+    # The classifier is told the run's newest commit (what a next attempt resumes from); the
+    # receipt's step reached counts this attempt's own evidence only.
+    said = max((s for s in (found.reached, reached) if s is not None), default=None)
+    last_step = step_reached(ledger, attempt, said)
     termination = found.told(
         classify(
             evidence_for_attempt(
@@ -319,7 +343,7 @@ def end_self_owned_attempt(
                 exit_code=exit_code,
                 signal_name=found.signal,
                 last_words=found.words,
-                last_committed_step=last_step,
+                last_committed_step=max(steps, default=None),
             )
         )
     )
@@ -364,6 +388,9 @@ def finish_attempt(
     signal_name = signal_name or found.signal
     if found.reached is not None and (last_step is None or found.reached > last_step):
         last_step = found.reached
+    # The classifier hears about the run's newest commit; the receipt's "reached step" only
+    # about what this attempt wrote, restored or said.
+    reached = step_reached(ledger, prepared.attempt, found.reached)
     wall = (datetime.now(UTC) - prepared.attempt.started_at).total_seconds()
     if observed is None:
         termination = classify_exit(
@@ -392,7 +419,7 @@ def finish_attempt(
     termination = found.told(termination)
     if placement:
         ledger.merge_placement(run_id, attempt_no, dict(placement))
-    accelerators = _accelerators(ledger.get_attempt(run_id, attempt_no).placement or {})
+    accelerators = accelerators_held(ledger.get_attempt(run_id, attempt_no).placement or {})
     ended = ledger.end_attempt(
         run_id,
         attempt_no,
@@ -408,7 +435,7 @@ def finish_attempt(
             else wall
         ),
         cpu_seconds=cpu_seconds,
-        last_step=last_step,
+        last_step=reached,
     )
     decision = decide(
         policy_for_run(prepared.run),

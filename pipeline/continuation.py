@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from pipeline.attempts import accelerators_held, step_reached
 from pipeline.ledger import AttemptRecord, Ledger, RunRecord
 from pipeline.reasons import classify, evidence_for_attempt
 from pipeline.retry import (
@@ -117,14 +118,19 @@ def expire_silent_attempts(
                 now=now,
             )
         )
-        steps = [s for s in (reached, latest.step if latest else None) if s is not None]
+        # The accelerators were held from the start to the last heartbeat at least: that is
+        # charged. Past it nobody knows. CPU time stays 0: it is a measured figure (the
+        # trainer's own process clock), and a silent trainer never reported one; wall x ranks
+        # would state a measurement nobody made, while GPU-seconds are a reservation anyway.
+        held = max((attempt.heartbeat_at - attempt.started_at).total_seconds(), 0.0)
         ended = ledger.end_attempt(
             attempt.run_id,
             attempt.attempt_no,
             termination_reason=termination.reason,
             termination_detail=termination.detail,
             signal=signal,
-            last_step=max(steps) if steps else None,
+            gpu_seconds=held * accelerators_held(attempt.placement or {}),
+            last_step=step_reached(ledger, attempt, reached),
         )
         run = ledger.get_run(attempt.run_id)
         try:

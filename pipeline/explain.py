@@ -298,6 +298,16 @@ def _placement(attempts: Sequence[AttemptRecord], focus: int | None) -> list[str
     return [*out, ""]
 
 
+def _unresumed_words(a: AttemptRecord) -> str:
+    """What an attempt with no checkpoint restored did, from its restored step: 0 is a fresh
+    start the trainer reported; none means it never reported one."""
+    if a.restored_step == 0:
+        return "started fresh"
+    if a.ended_at is None:
+        return "has not reported a restore or a fresh start yet"
+    return "ended before it restored a checkpoint or reported a fresh start"
+
+
 def _lineage(
     attempts: Sequence[AttemptRecord], checkpoints: Sequence[CheckpointRecord], focus: int | None
 ) -> list[str]:
@@ -315,7 +325,7 @@ def _lineage(
             )
             start = f"resumed from `{_short(a.resumed_from_checkpoint)}`{origin}"
         else:
-            start = "started fresh"
+            start = _unresumed_words(a)
         wrote = (
             "committed steps " + ", ".join(str(c.step) for c in committed)
             if committed
@@ -483,7 +493,7 @@ def _focus_receipt(a: AttemptRecord) -> list[str]:
         f"reached step {_or_dash(a.last_step)}, restored step {_or_dash(a.restored_step)}; "
         f"fencing token {a.fencing_token}",
         f"- **Launched**: {_launch_words(a) or 'not recorded'}",
-        f"- **Resumed from**: {a.resumed_from_checkpoint or 'nothing (fresh start)'}",
+        f"- **Resumed from**: {a.resumed_from_checkpoint or f'nothing ({_unresumed_words(a)})'}",
         f"- **Config** sha256 `{a.config_sha256}`; data manifest `{a.data_manifest_sha256}`; "
         f"container `{a.container_digest}`; code {a.code_commit or 'unknown'}",
         f"- **Clocks**: {_clock_words(a)}",

@@ -219,3 +219,22 @@ def test_the_trainer_checks_the_pixel_range_itself(tmp_path: Path) -> None:
     record_verdict(snapshot, forged, snapshot_root=tmp_path / "snapshots")
     with pytest.raises(BadInputError, match=r"pixel values fall outside 0\.\.16"):
         load_training_data(snapshot.path)
+
+
+def test_with_a_ledger_a_forged_verdict_file_is_not_trusted(tmp_path: Path) -> None:
+    """A hand-written `passed` verdict file beside an unchecked snapshot: the ledger has no
+    rows for it, so the gate checks it on the spot, refuses it, and the ledger says so."""
+    from pipeline.data.gate import CheckVerdict, record_verdict
+
+    snapshot = _snapshot(tmp_path, Drift.LABEL_OUT_OF_RANGE)
+    forged = [
+        CheckVerdict(name, blocking=True, passed=True, summary="forged")
+        for name in ("schema_contract", "data_quality")
+    ]
+    record_verdict(snapshot, forged, snapshot_root=tmp_path / "snapshots")  # file only
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'ledger.db'}")
+    with pytest.raises(BlockedSnapshotError, match="label"):
+        ensure_checks_passed(snapshot, snapshot_root=tmp_path / "snapshots", ledger=ledger)
+    rows = ledger.snapshot_checks(snapshot.snapshot_id, snapshot.manifest_sha256)
+    assert rows and not all(r.passed for r in rows if r.blocking)
+    assert ledger.get_snapshot(snapshot.snapshot_id).verdict == "blocked"

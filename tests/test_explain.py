@@ -108,6 +108,7 @@ def build_scenario(ledger: Ledger) -> None:
     )  # fmt: skip
     # 1: SIGTERM from the scheduler; the trainer saves, writes last words, exits 75.
     a1 = ledger.begin_attempt(RUN, _start(CONFIG, "host-a"))
+    ledger.set_resumed_from(RUN, a1.attempt_no, None)  # the trainer reports its fresh start
     c100 = _commit(ledger, a1, 100)
     c200 = _commit(ledger, a1, 200, parent=c100)
     ledger.set_checkpoint_state(RUN, c100, CheckpointState.SUPERSEDED, "retention: keep_last_k=1")
@@ -141,6 +142,7 @@ def build_scenario(ledger: Ledger) -> None:
     record_decision(ledger, ended3, retry)
     # 4: batch 64, fresh start; a bad checkpoint is caught; trains to the end.
     a4 = ledger.begin_attempt(RUN, _start(SMALLER, "host-c"))
+    ledger.set_resumed_from(RUN, a4.attempt_no, None)
     c400 = _commit(ledger, a4, 400)
     ledger.set_checkpoint_state(
         RUN, c400, CheckpointState.CORRUPT, "model.safetensors: sha256 differs from MANIFEST.json"
@@ -420,3 +422,13 @@ def test_the_status_line_quotes_the_newest_refusal_and_a_promotion_is_not_undone
     assert ledger.get_run("r-gated").status == "promoted"
     page = explain(ledger, "r-gated")
     assert "Status **promoted**" in page and "a newer champion is better" in page
+
+
+def test_an_attempt_that_never_reported_a_restore_does_not_claim_a_fresh_start(
+    ledger_url: str,
+) -> None:
+    ledger = Ledger.open(ledger_url)
+    build_scenario(ledger)
+    page = explain(ledger, f"{DRIFT_RUN}#1")  # stopped by its data checks before the first step
+    assert "started fresh" not in page
+    assert "ended before it restored a checkpoint or reported a fresh start" in page

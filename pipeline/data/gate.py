@@ -159,7 +159,13 @@ def register(snapshot: Snapshot, ledger: Ledger, *, dagster_run_id: str | None =
 def recorded_verdict(
     snapshot: Snapshot, *, snapshot_root: Path, ledger: Ledger | None = None
 ) -> dict[str, CheckVerdict]:
-    """The blocking-check verdicts recorded for this exact manifest (the ledger's first)."""
+    """The blocking-check verdicts recorded for this exact manifest.
+
+    With a ledger, the ledger alone says what was checked: a verdict file is plain bytes that
+    anyone can write beside a snapshot, and trusting it would train on data the ledger calls
+    unchecked. No ledger rows means no verdict, so the caller checks the snapshot now. The file
+    only serves a trainer that runs without a ledger.
+    """
     found: dict[str, CheckVerdict] = {}
     if ledger is not None:
         register(snapshot, ledger)  # refuses an edited manifest
@@ -187,6 +193,8 @@ def recorded_verdict(
                 f"recorded for another manifest ({others[0].split('.')[1][:16]}…): the manifest "
                 "was changed after the snapshot was made",
             )
+        if ledger is not None:
+            return found
         for name, value in (_read_file(path) or {}).items():
             if isinstance(value, dict):
                 found[name] = CheckVerdict(

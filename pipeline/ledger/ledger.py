@@ -339,6 +339,11 @@ class Ledger:
 
         Bumping the run's token here is what makes every older attempt stale: their
         checkpoint commits are refused from now on.
+
+        ``start.resumed_from_checkpoint`` must be a restore that happened (a self-owned trainer
+        begins after restoring). Without one, restored_step stays empty, not 0: an orchestrator
+        begins before the trainer restored anything, and the trainer reports it
+        (:meth:`set_resumed_from`, which records 0 for a fresh start).
         """
         ids.run_id(run_id)
         runs, attempts = schema.training_runs, schema.training_attempts
@@ -381,7 +386,11 @@ class Ledger:
                     placement=start.placement,
                     code_commit=start.code_commit,
                     resumed_from_checkpoint=start.resumed_from_checkpoint,
-                    restored_step=_step_of_checkpoint(start.resumed_from_checkpoint),
+                    restored_step=(
+                        _step_of_checkpoint(start.resumed_from_checkpoint)
+                        if start.resumed_from_checkpoint
+                        else None
+                    ),
                     fencing_token=token,
                     attempt_uid=uid,
                     launched_by=start.launched_by,
@@ -735,9 +744,31 @@ class Ledger:
             query = query.where(t.c.state.in_([str(s) for s in states]))
         return self._records(query, CheckpointRecord)
 
-    def latest_committed_checkpoint(self, run_id: str) -> CheckpointRecord | None:
+    def latest_committed_checkpoint(
+        self, run_id: str, *, final: bool = False
+    ) -> CheckpointRecord | None:
+        """The run's committed checkpoint at the highest step (what a next attempt resumes).
+
+        ``final``: the run's result instead, the newest succeeded attempt's last commit (or,
+        when it committed none because it resumed at max_steps, the one it restored); None if
+        no attempt succeeded. The highest step is not the result: a failed attempt may have
+        committed past the max_steps a relaunch then lowered.
+        """
         committed = self.checkpoints(run_id, [CheckpointState.COMMITTED])
-        return committed[-1] if committed else None
+        if not final:
+            return committed[-1] if committed else None
+        succeeded = [
+            a
+            for a in self.attempts(run_id)
+            if a.termination_reason == str(TerminationReason.SUCCEEDED)
+        ]
+        if not succeeded:
+            return None
+        newest = succeeded[-1]
+        own = [c for c in committed if c.attempt_no == newest.attempt_no]
+        if own:
+            return own[-1]
+        return next((c for c in committed if c.path == newest.resumed_from_checkpoint), None)
 
     def referenced_checkpoint_paths(self) -> set[str]:
         """Checkpoints an evaluation or promotion points at: retention must keep these."""

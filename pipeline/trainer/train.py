@@ -339,6 +339,15 @@ class Trainer:
             resumed = None
         self.step, self.last_checkpoint = state.step, resumed
         if resumed is not None and state.step >= cfg.max_steps:
+            if self.attempt.begun:
+                # Orchestrated: the open receipt learns the restore that did happen (begin only
+                # records it; a self-owned trainer with nothing to train opens no attempt).
+                self.attempt.begin(
+                    cfg,
+                    snapshot_id=data.snapshot_id,
+                    data_manifest_sha256=data.manifest_sha256,
+                    resumed_from=str(resumed.path),
+                )
             return Outcome(
                 TerminationReason.SUCCEEDED,
                 exit_codes.SUCCEEDED,
@@ -357,7 +366,10 @@ class Trainer:
         self.attempt.attempt_no = manager.attempt_no
         # Holding the token now: a commit an older attempt made just before is not missed.
         reconciled = manager.reconcile_with_ledger(state, resumed)
-        if reconciled != resumed and self.attempt.ledger is not None:
+        # A self-owned begin leaves restored_step empty without a path; a fresh start is a
+        # restore of step 0 that did happen, so it is recorded now, as the orchestrated one is.
+        fresh_self_owned = self.attempt.owns_attempt and resumed is None
+        if (reconciled != resumed or fresh_self_owned) and self.attempt.ledger is not None:
             self.attempt.ledger.set_resumed_from(
                 self.attempt.run_id,
                 self.attempt.attempt_no,  # type: ignore[arg-type]

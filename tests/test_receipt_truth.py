@@ -1,0 +1,185 @@
+"""Receipts state what happened, never what was planned.
+
+Each case was reproduced before the fix: an attempt that died before its trainer restored
+anything read "resumed from step-100, restored step 100"; a fresh retry SIGKILLed at step 50
+read "reached 200" (its predecessor's commit); an attempt closed by heartbeat expiry cost 0
+GPU-seconds; and the run's final checkpoint was a failed attempt's higher step.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from pipeline.attempts import PreparedAttempt, finish_attempt, prepare_attempt
+from pipeline.continuation import expire_silent_attempts
+from pipeline.data.landing import write_digits_landing
+from pipeline.data.snapshot import Snapshot, create_snapshot
+from pipeline.ledger import AttemptRecord, AttemptStart, Ledger
+from pipeline.ledger.schema import training_attempts
+from pipeline.states import TerminationReason
+from pipeline.trainer.config import TrainConfig
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Ledger:
+    return Ledger.open(f"sqlite:///{tmp_path / 'ledger.db'}")
+
+
+@pytest.fixture
+def snapshot(tmp_path: Path) -> Snapshot:
+    write_digits_landing(tmp_path / "landing")
+    return create_snapshot(tmp_path / "landing", tmp_path / "snapshots")
+
+
+def _config(snapshot: Snapshot, **changes: object) -> TrainConfig:
+    raw = {
+        "seed": 3, "max_steps": 300, "checkpoint_every_steps": 50, "batch_size": 64,
+        "learning_rate": 0.003, "optimizer": "adam", "keep_last_k": 10,
+        "model": {"channels": 8, "hidden": 32},
+    }  # fmt: skip
+    raw |= {"snapshot_dir": str(snapshot.path), **changes}
+    return TrainConfig.from_dict(raw, source="test")
+
+
+def _commit(ledger: Ledger, attempt: AttemptRecord, step: int) -> str:
+    path = f"/ckpt/{attempt.run_id}/step-{step:010d}-a{attempt.attempt_no:02d}"
+    ledger.commit_checkpoint(
+        run_id=attempt.run_id, attempt_no=attempt.attempt_no, path=path,
+        manifest_sha256="m" * 64, size_bytes=1, metrics=None,
+        fencing_token=attempt.fencing_token, step=step,
+    )  # fmt: skip
+    return path
+
+
+def _end(ledger: Ledger, attempt: AttemptRecord, reason: TerminationReason) -> None:
+    ledger.end_attempt(
+        attempt.run_id, attempt.attempt_no, termination_reason=reason, termination_detail="t"
+    )
+
+
+def _begin(ledger: Ledger, run_id: str, placement: dict | None = None) -> AttemptRecord:
+    start = AttemptStart(
+        config_snapshot={}, config_sha256="c" * 64, data_manifest_sha256="d" * 64,
+        container_digest="env", placement=placement or {},
+    )  # fmt: skip
+    return ledger.begin_attempt(run_id, start)
+
+
+def _first_attempt(
+    ledger: Ledger, snapshot: Snapshot, tmp_path: Path, config: TrainConfig
+) -> PreparedAttempt:
+    return prepare_attempt(
+        ledger, snapshot=snapshot, train_config=config, work_root=tmp_path / "work"
+    )
+
+
+def test_an_attempt_that_dies_before_its_restore_claims_no_restore(
+    ledger: Ledger, snapshot: Snapshot, tmp_path: Path
+) -> None:
+    config = _config(snapshot)
+    first = _first_attempt(ledger, snapshot, tmp_path, config)
+    planned = _commit(ledger, first.attempt, 100)
+    _end(ledger, first.attempt, TerminationReason.PREEMPTED)
+    second = prepare_attempt(
+        ledger, snapshot=snapshot, train_config=config, work_root=tmp_path / "work",
+        run_id=first.run.run_id,
+    )  # fmt: skip
+    assert second.planned_resume_from is not None and second.planned_resume_from.path == planned
+    opened = ledger.get_attempt(second.run.run_id, second.attempt.attempt_no)
+    assert (opened.resumed_from_checkpoint, opened.restored_step) == (None, None)
+    # The trainer dies loading its data: it never reported a restore.
+    finished = finish_attempt(
+        ledger, second, store=tmp_path / "store", returncode=1, signal_name=None
+    )
+    assert finished.attempt.resumed_from_checkpoint is None
+    assert finished.attempt.restored_step is None
+    # What the trainer reports is what the receipt then says (0: a fresh start).
+    ledger.set_resumed_from(second.run.run_id, second.attempt.attempt_no, None)
+    assert ledger.get_attempt(second.run.run_id, second.attempt.attempt_no).restored_step == 0
+
+
+def test_a_fresh_retry_does_not_reach_its_predecessors_step(
+    ledger: Ledger, snapshot: Snapshot, tmp_path: Path
+) -> None:
+    first = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
+    run_id = first.run.run_id
+    _commit(ledger, first.attempt, 200)
+    _end(ledger, first.attempt, TerminationReason.OOM)
+    # The retry starts fresh (its smaller batch is another config) and is SIGKILLed at 50.
+    retry = _begin(ledger, run_id)
+    ledger.set_resumed_from(run_id, retry.attempt_no, None)
+    ledger.heartbeat(run_id, retry.attempt_no, step=50)
+    prepared = PreparedAttempt(
+        run=first.run, attempt=retry, train_config=_config(snapshot, batch_size=32),
+        config_path=first.config_path, planned_resume_from=None, oom_kills_before=None,
+    )  # fmt: skip
+    finished = finish_attempt(
+        ledger, prepared, store=tmp_path / "store", returncode=-9, signal_name="SIGKILL"
+    )
+    assert finished.attempt.last_step == 50, finished.attempt.last_step
+    # Its own commit does count.
+    third = _begin(ledger, run_id)
+    ledger.set_resumed_from(run_id, third.attempt_no, None)
+    _commit(ledger, third, 80)
+    prepared = PreparedAttempt(
+        run=first.run, attempt=third, train_config=_config(snapshot, batch_size=32),
+        config_path=first.config_path, planned_resume_from=None, oom_kills_before=None,
+    )  # fmt: skip
+    finished = finish_attempt(
+        ledger, prepared, store=tmp_path / "store", returncode=-9, signal_name="SIGKILL"
+    )
+    assert finished.attempt.last_step == 80
+
+
+def test_a_silent_attempt_is_charged_its_accelerators_until_its_last_heartbeat(
+    ledger: Ledger, snapshot: Snapshot, tmp_path: Path
+) -> None:
+    first = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
+    run_id = first.run.run_id
+    _commit(ledger, first.attempt, 200)
+    _end(ledger, first.attempt, TerminationReason.OOM)
+    silent = _begin(ledger, run_id, placement={"accelerator_count": 2})
+    ledger.set_resumed_from(run_id, silent.attempt_no, None)  # started fresh
+    ledger.heartbeat(run_id, silent.attempt_no, step=50)
+    now = datetime.now(UTC)
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            sa.update(training_attempts)
+            .where(training_attempts.c.attempt_no == silent.attempt_no)
+            .values(started_at=now - timedelta(hours=2), heartbeat_at=now - timedelta(hours=1))
+        )
+    (closed,) = expire_silent_attempts(ledger, 600, now=now)
+    assert closed.termination_reason == "preempted"
+    assert closed.gpu_seconds == pytest.approx(2 * 3600.0)
+    assert closed.cpu_seconds == 0  # never measured: a silent trainer reported none
+    assert closed.last_step == 50  # not attempt 1's step 200
+
+
+def test_the_final_checkpoint_is_the_succeeded_attempts_not_the_highest_step(
+    ledger: Ledger, snapshot: Snapshot, tmp_path: Path
+) -> None:
+    first = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
+    run_id = first.run.run_id
+    _commit(ledger, first.attempt, 200)
+    _end(ledger, first.attempt, TerminationReason.OOM)
+    # Relaunched with max_steps 100: it starts fresh and succeeds at step 100.
+    relaunch = _begin(ledger, run_id)
+    final = _commit(ledger, relaunch, 100)
+    _end(ledger, relaunch, TerminationReason.SUCCEEDED)
+    chosen = ledger.latest_committed_checkpoint(run_id, final=True)
+    assert chosen is not None and chosen.path == final
+    # What a next attempt resumes from is still the highest step.
+    assert ledger.latest_committed_checkpoint(run_id).step == 200
+
+
+def test_no_final_checkpoint_without_a_succeeded_attempt(
+    ledger: Ledger, snapshot: Snapshot, tmp_path: Path
+) -> None:
+    first = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
+    _commit(ledger, first.attempt, 200)
+    _end(ledger, first.attempt, TerminationReason.OOM)
+    assert ledger.latest_committed_checkpoint(first.run.run_id, final=True) is None
