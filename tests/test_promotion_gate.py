@@ -6,6 +6,7 @@ import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from pipeline.evaluation.evaluators import EVALUATORS
 from pipeline.ledger import EvaluationRecord
 from pipeline.promotion import QualityGate, decide, newest_complete
 
@@ -13,6 +14,7 @@ SHA = "a" * 64
 OTHER_SHA = "b" * 64
 REQUIRED = ["holdout_accuracy", "noise_robustness"]
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+OLD_VERSION = "src:sha256:0123456789abcdef"  # what the evaluator's code digested to before
 
 
 def _evaluation(
@@ -35,7 +37,8 @@ def _evaluation(
         "checkpoint_path": f"/ck/{sha[:4]}",
         "checkpoint_manifest_sha256": sha,
         "evaluator_name": evaluator,
-        "evaluator_version": "src:sha256:0123456789abcdef",
+        # Rows count only at the registry's current version of their evaluator.
+        "evaluator_version": EVALUATORS[evaluator].version,
         "evaluator_env_digest": "env:sha256:00",
         "task_set_version": task_set,
         "decoding_params": {"decision": "argmax", "temperature": 1.0, "batch_size": 256},
@@ -69,16 +72,89 @@ def test_complete_evaluations_meeting_thresholds_pass() -> None:
 def test_only_the_newest_complete_evaluation_per_evaluator_counts() -> None:
     old_bad = _evaluation(accuracy=0.5, minutes=0)
     new_good = _evaluation(accuracy=0.97, minutes=5)
-    newer_failed = _evaluation(status="failed", minutes=9, termination_reason="evaluator_crash")
     noise = _evaluation("noise_robustness")
-    assert newest_complete([new_good, old_bad, newer_failed, noise], SHA) == {
+    assert newest_complete([new_good, old_bad, noise], SHA) == {
         "holdout_accuracy": new_good,
         "noise_robustness": noise,
     }
-    assert decide(SHA, [old_bad, new_good, newer_failed, noise], [], REQUIRED).passed
+    assert decide(SHA, [old_bad, new_good, noise], [], REQUIRED).passed
     # And the other way round: a newer complete evaluation below threshold refuses.
     refused = decide(SHA, [new_good, _evaluation(accuracy=0.81, minutes=7), noise], [], REQUIRED)
     assert refused.reasons == ["holdout_accuracy.accuracy 0.8100 < 0.9"]
+
+
+def test_a_newer_failed_evaluation_cancels_an_older_complete_one() -> None:
+    new_good = _evaluation(accuracy=0.97, minutes=5)
+    newer_failed = _evaluation(status="failed", minutes=9, termination_reason="evaluator_crash")
+    noise = _evaluation("noise_robustness")
+    assert newest_complete([new_good, newer_failed, noise], SHA) == {"noise_robustness": noise}
+    decision = decide(SHA, [new_good, newer_failed, noise], [], REQUIRED)
+    assert not decision.passed
+    assert decision.reasons[0].startswith(
+        f"evaluator holdout_accuracy has no complete evaluation for checkpoint {SHA[:12]}: "
+        f"the newest at its current version {EVALUATORS['holdout_accuracy'].version}, "
+        f"{newer_failed.evaluation_id}, is failed"
+    )
+
+
+def test_an_old_version_complete_and_a_current_version_failure_is_refused() -> None:
+    old_pass = _evaluation(evaluator_version=OLD_VERSION, minutes=0)
+    current_failed = _evaluation(status="failed", minutes=5, termination_reason="evaluator_crash")
+    decision = decide(
+        SHA, [old_pass, current_failed, _evaluation("noise_robustness")], [], REQUIRED
+    )
+    assert not decision.passed
+    assert "evaluator holdout_accuracy has no complete evaluation" in decision.reasons[0]
+    assert current_failed.evaluation_id in decision.reasons[0]
+    assert old_pass.evaluation_id not in decision.evaluation_ids
+
+
+def test_evaluations_at_an_old_evaluator_version_do_not_count() -> None:
+    old_pass = _evaluation(evaluator_version=OLD_VERSION)
+    decision = decide(SHA, [old_pass, _evaluation("noise_robustness")], [], REQUIRED)
+    assert not decision.passed
+    current = EVALUATORS["holdout_accuracy"].version
+    assert decision.reasons == [
+        f"evaluator holdout_accuracy has no complete evaluation for checkpoint {SHA[:12]} at "
+        f"its current version {current} (only at other versions); re-evaluate the checkpoint"
+    ]
+    # Versions can be given explicitly, as a caller pinning a registry would.
+    pinned = {
+        "holdout_accuracy": OLD_VERSION,
+        "noise_robustness": EVALUATORS["noise_robustness"].version,
+    }
+    assert decide(
+        SHA, [old_pass, _evaluation("noise_robustness")], [], REQUIRED, evaluator_versions=pinned
+    ).passed
+
+
+def test_evaluations_on_another_task_set_do_not_count_when_the_task_set_is_known() -> None:
+    rows = [_evaluation(task_set="task-v0"), _evaluation("noise_robustness", task_set="task-v1")]
+    assert decide(SHA, rows, [], REQUIRED).passed  # task set unknown: not filtered
+    decision = decide(SHA, rows, [], REQUIRED, task_set_version="task-v1")
+    assert not decision.passed
+    assert "evaluator holdout_accuracy has no complete evaluation" in decision.reasons[0]
+    assert "on task set task-v1" in decision.reasons[0]
+
+
+def test_a_champion_without_a_baseline_for_a_required_evaluator_is_refused() -> None:
+    # The champion was evaluated by holdout_accuracy only: noise slices cannot be compared.
+    champion = [_evaluation(sha=OTHER_SHA)]
+    decision = decide(SHA, _both(), champion, REQUIRED, champion_version="7")
+    assert not decision.passed
+    assert decision.reasons == [
+        "champion version 7 has no complete noise_robustness evaluation to compare slices "
+        "against; re-evaluate the champion, then promote again"
+    ]
+    # With no evaluations of the champion at all, every required evaluator is named.
+    bare = decide(SHA, _both(), [], REQUIRED, champion_version="7")
+    assert len(bare.reasons) == 2 and "no slice of 0 regressed" not in bare.summary()
+    # No champion at all: nothing to compare against, and that is said, not refused.
+    assert (
+        decide(SHA, _both(), [], REQUIRED)
+        .summary()
+        .endswith("no champion to compare slices against.")
+    )
 
 
 def test_evaluations_of_another_checkpoint_do_not_count() -> None:
@@ -92,9 +168,11 @@ def test_evaluations_of_another_checkpoint_do_not_count() -> None:
 def test_a_failed_evaluation_is_no_evaluation() -> None:
     failed = _evaluation("noise_robustness", status="failed", termination_reason="evaluator_crash")
     decision = decide(SHA, [_evaluation("holdout_accuracy"), failed], [], REQUIRED)
-    assert decision.reasons == [
-        f"evaluator noise_robustness has no complete evaluation for checkpoint {SHA[:12]}"
-    ]
+    assert decision.reasons[0].startswith(
+        f"evaluator noise_robustness has no complete evaluation for checkpoint {SHA[:12]}: "
+        f"the newest at its current version"
+    )
+    assert failed.evaluation_id in decision.reasons[0] and len(decision.reasons) == 1
 
 
 def test_missing_provenance_is_refused_naming_the_fields_and_the_evaluation() -> None:
@@ -126,6 +204,7 @@ def test_slices_compare_against_the_champion_on_the_same_task_set_when_it_has_on
     champion = [
         _evaluation(sha=OTHER_SHA, slices={"class=3": 0.99}, task_set="task-v0", minutes=1),
         _evaluation(sha=OTHER_SHA, slices={"class=3": 0.95}, task_set="task-v1", minutes=0),
+        _evaluation("noise_robustness", sha=OTHER_SHA),
     ]
     candidate = [_evaluation(slices={"class=3": 0.94}), _evaluation("noise_robustness")]
     decision = decide(SHA, candidate, champion, REQUIRED, champion_version="3")

@@ -130,6 +130,10 @@ def test_committed_checkpoint_states_what_it_verified_and_what_the_ledger_commit
     run = _ledger_run(tmp_path)
     manager = _manager(tmp_path, ledger=run.ledger, attempt=run.attempt_no, token=run.token)
     saved = manager.save(_state(_data())).path
+    run.ledger.end_attempt(
+        RUN_ID, run.attempt_no, termination_reason=TerminationReason.SUCCEEDED,
+        termination_detail="finished",
+    )  # fmt: skip
     t = schema.checkpoints
     if tamper == "manifest":
         with run.ledger.engine.begin() as conn:

@@ -46,21 +46,43 @@ class QualityGate:
         required: Sequence[str] = (),
         *,
         champion_version: str | None = None,
+        evaluator_versions: Mapping[str, str] | None = None,
+        task_set_version: str | None = None,
     ) -> GateDecision:
         """Decide on the checkpoint with manifest ``checkpoint_manifest_sha256``.
 
-        Only the newest ``complete`` evaluation per evaluator for exactly that manifest counts.
+        Per evaluator, only rows for exactly that manifest at the evaluator's current version
+        (``evaluator_versions``, default: the registry's) and, if given, ``task_set_version``
+        count; the newest of them must be ``complete``: a newer failure blocks an older pass.
         Champion evaluations are matched per evaluator, preferring the same task set version.
+        A champion (``champion_version`` or evaluations of it) with no evaluation to compare
+        a required evaluator against refuses: an unshown comparison is no comparison.
         """
         sha12 = checkpoint_manifest_sha256[:12]
         reasons: list[str] = []
-        counted = newest_complete(evaluations, checkpoint_manifest_sha256)
+        evaluations = list(evaluations)  # read twice below
+        versions = _current_versions(evaluator_versions)
+        newest = _newest_current(
+            evaluations, checkpoint_manifest_sha256, versions, task_set_version
+        )
+        counted = {n: r for n, r in newest.items() if r.status == EvaluationStatus.COMPLETE}
 
         for name in required:
-            if name not in counted:
-                reasons.append(
-                    f"evaluator {name} has no complete evaluation for checkpoint {sha12}"
+            if name in counted:
+                continue
+            reason = f"evaluator {name} has no complete evaluation for checkpoint {sha12}"
+            at = f"its current version {versions.get(name, '(not registered)')}"
+            if task_set_version:
+                at += f" on task set {task_set_version[:12]}"
+            if name in newest:
+                failed = newest[name]
+                reason += (
+                    f": the newest at {at}, {failed.evaluation_id}, is {failed.status} "
+                    f"(an older complete one does not outlive it)"
                 )
+            elif _evaluated_elsewhere(evaluations, checkpoint_manifest_sha256, name):
+                reason += f" at {at} (only at other versions); re-evaluate the checkpoint"
+            reasons.append(reason)
         for name, record in sorted(counted.items()):
             missing = record.missing_provenance()
             if missing:
@@ -91,12 +113,23 @@ class QualityGate:
             elif not passed:
                 reasons.append(f"{key} {float(value):.4f} < {threshold:g}")
 
+        champion_rows = list(champion_evaluations)
         comparisons, champion_used = self._compare_slices(
-            counted, list(champion_evaluations), champion_version, reasons
+            counted, champion_rows, champion_version, reasons
         )
+        if champion_version is not None or champion_rows:
+            against = f"champion version {champion_version}" if champion_version else "the champion"
+            for name in required:
+                if name in counted and name not in champion_used:
+                    reasons.append(
+                        f"{against} has no complete {name} evaluation to compare slices "
+                        f"against; re-evaluate the champion, then promote again"
+                    )
         details = {
             "checkpoint_manifest_sha256": checkpoint_manifest_sha256,
             "required": list(required),
+            "evaluator_versions": {name: versions.get(name) for name in required},
+            "task_set_version": task_set_version,
             "evaluations": {name: r.evaluation_id for name, r in sorted(counted.items())},
             "thresholds": checks,
             "champion_version": champion_version,
@@ -196,6 +229,8 @@ def decide(
     *,
     champion_version: str | None = None,
     gate: QualityGate | None = None,
+    evaluator_versions: Mapping[str, str] | None = None,
+    task_set_version: str | None = None,
 ) -> GateDecision:
     """:meth:`QualityGate.decide` with the default gate unless one is given."""
     return (gate or QualityGate()).decide(
@@ -204,23 +239,67 @@ def decide(
         champion_evaluations,
         required,
         champion_version=champion_version,
+        evaluator_versions=evaluator_versions,
+        task_set_version=task_set_version,
     )
 
 
 def newest_complete(
-    evaluations: Iterable[EvaluationRecord], checkpoint_manifest_sha256: str
+    evaluations: Iterable[EvaluationRecord],
+    checkpoint_manifest_sha256: str,
+    *,
+    evaluator_versions: Mapping[str, str] | None = None,
+    task_set_version: str | None = None,
 ) -> dict[str, EvaluationRecord]:
-    """The newest ``complete`` evaluation per evaluator for exactly this checkpoint manifest."""
+    """Per evaluator, its newest evaluation of exactly this manifest that counts, if complete.
+
+    Only rows at the evaluator's current version (``evaluator_versions``, default: the
+    registry's) and, if given, on ``task_set_version`` are considered; when the newest of them
+    failed, the evaluator has none (an older pass does not outlive a newer failure).
+    """
+    versions = _current_versions(evaluator_versions)
+    newest = _newest_current(evaluations, checkpoint_manifest_sha256, versions, task_set_version)
+    return {n: r for n, r in newest.items() if r.status == EvaluationStatus.COMPLETE}
+
+
+def _current_versions(evaluator_versions: Mapping[str, str] | None) -> Mapping[str, str]:
+    if evaluator_versions is not None:
+        return evaluator_versions
+    # A changed evaluator is a new one (its version digests its code): only its own rows count.
+    from pipeline.evaluation.evaluators import EVALUATORS
+
+    return {name: evaluator.version for name, evaluator in EVALUATORS.items()}
+
+
+def _newest_current(
+    evaluations: Iterable[EvaluationRecord],
+    checkpoint_manifest_sha256: str,
+    versions: Mapping[str, str],
+    task_set_version: str | None,
+) -> dict[str, EvaluationRecord]:
     newest: dict[str, EvaluationRecord] = {}
     for record in evaluations:
         if record.checkpoint_manifest_sha256 != checkpoint_manifest_sha256:
             continue
-        if record.status != EvaluationStatus.COMPLETE:
+        if record.evaluator_version != versions.get(record.evaluator_name):
             continue
+        if task_set_version and record.task_set_version not in ("", task_set_version):
+            continue  # an empty one is refused as missing provenance instead
         current = newest.get(record.evaluator_name)
         if current is None or _order(record) > _order(current):
             newest[record.evaluator_name] = record
     return newest
+
+
+def _evaluated_elsewhere(
+    evaluations: Iterable[EvaluationRecord], checkpoint_manifest_sha256: str, name: str
+) -> bool:
+    return any(
+        r.evaluator_name == name
+        and r.checkpoint_manifest_sha256 == checkpoint_manifest_sha256
+        and r.status == EvaluationStatus.COMPLETE
+        for r in evaluations
+    )
 
 
 def _order(record: EvaluationRecord) -> tuple[Any, ...]:

@@ -1,7 +1,8 @@
 """Promotion: gate a committed checkpoint, register it in MLflow and move the ``champion`` alias.
 
 Order of writes on a pass: MLflow model version (tagged back to run, attempt, checkpoint,
-snapshot and evaluations), then the alias, then the ledger row. A crash between the alias and
+snapshot and evaluations), then the alias (only if the champion is still the version
+the gate compared against), then the ledger row. A crash between the alias and
 the ledger is repaired by the next call: the alias already points at this checkpoint, so the
 version is reused instead of registered twice.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import tempfile
 import uuid
 from importlib import metadata
 from pathlib import Path
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
 
     from pipeline.ledger import Ledger
+    from pipeline.serving.champion import StagedServedFiles
     from pipeline.serving.loading import CommittedCheckpoint
     from pipeline.settings import TracksSettings
 
@@ -122,21 +125,33 @@ def promote(
     if not decision.passed:
         return ledger.record_promotion(record)
 
-    from pipeline.serving.champion import export_sharded_weights, serving_manifest
+    from pipeline.serving.champion import serving_manifest, stage_served_files
 
-    # A checkpoint written by N ranks is served from one consolidated, hashed weights file.
-    exported = export_sharded_weights(checkpoint.path, settings.work_root / "exports")
-    if champion is not None and champion_sha == checkpoint.manifest_sha256:
-        existing = _promotion_for_version(ledger, model_name, str(champion.version))
-        if existing is not None:
-            return existing  # already the champion, and already recorded
-        version, previous = str(champion.version), champion.tags.get("previous_champion_version")
-    else:
-        evaluations = dict(decision.details["evaluations"])
-        version = _register(
-            client, settings, model_name, checkpoint, record, evaluations, decision, exported
-        )
-        client.set_registered_model_alias(model_name, CHAMPION_ALIAS, version)
+    # The store stays writable while MLflow uploads: log and vouch for private, verified copies
+    # only, never for files re-read from the store after verification.
+    with tempfile.TemporaryDirectory(prefix="tracks-promote-") as private:
+        staged = stage_served_files(checkpoint.path, checkpoint.manifest_sha256, Path(private))
+        if champion is not None and champion_sha == checkpoint.manifest_sha256:
+            existing = _promotion_for_version(ledger, model_name, str(champion.version))
+            if existing is not None:
+                return existing  # already the champion, and already recorded
+            version = str(champion.version)
+            previous = champion.tags.get("previous_champion_version")
+        else:
+            evaluations = dict(decision.details["evaluations"])
+            version = _register(
+                client, settings, model_name, checkpoint, record, evaluations, decision, staged
+            )
+            now = _champion(client, model_name)
+            if (str(now.version) if now else None) != previous:
+                # Another promotion crowned a version after this one was compared against
+                # `previous`: moving the alias now would skip the comparison with it.
+                return ledger.record_promotion(
+                    _champion_changed(record, model_name, previous, now, version)
+                )
+            client.set_registered_model_alias(model_name, CHAMPION_ALIAS, version)
+        # What serving verifies before it loads a byte of this version.
+        vouched = serving_manifest(staged)
 
     return ledger.record_promotion(
         dataclasses.replace(
@@ -145,12 +160,27 @@ def promote(
             model_version=str(version),
             previous_champion_version=previous,
             decided_at=utcnow(),
-            # What serving verifies before it loads a byte of this version.
-            serving_manifest=serving_manifest(
-                checkpoint.path, checkpoint.manifest_sha256, exported_weights=exported
-            ),
+            serving_manifest=vouched,
         )
     )
+
+
+def _champion_changed(
+    record: PromotionRecord,
+    model_name: str,
+    compared: str | None,
+    now: ModelVersion | None,
+    version: str,
+) -> PromotionRecord:
+    current = f"version {now.version}" if now is not None else "no version"
+    against = f"version {compared}" if compared else "no champion"
+    reason = (
+        f"Refused: the champion of {model_name} changed during the promotion (compared against "
+        f"{against}, now {current}); registered version {version} was not made champion. "
+        f"Re-run the promotion to compare against the current champion."
+    )
+    gate = {**record.gate, "reasons": [*record.gate.get("reasons", []), reason]}
+    return dataclasses.replace(record, reason=reason, gate=gate, decided_at=utcnow())
 
 
 def _champion(client: MlflowClient, model_name: str) -> ModelVersion | None:
@@ -214,7 +244,7 @@ def _register(
     record: PromotionRecord,
     evaluations: dict[str, str],
     decision: GateDecision,
-    exported_weights: Path | None = None,
+    staged: StagedServedFiles,
 ) -> str:
     """Log the checkpoint as a models-from-code pyfunc and register a tagged model version."""
     import mlflow
@@ -254,8 +284,8 @@ def _register(
                 name="model",
                 python_model=str(MODEL_CODE_PATH),
                 artifacts={
-                    "weights": str(exported_weights or checkpoint.weights_path),
-                    "trainer_state": str(checkpoint.trainer_state_path),
+                    "weights": str(staged.weights),
+                    "trainer_state": str(staged.trainer_state),
                 },
                 pip_requirements=_pip_requirements(),
                 # No signature: with one, MLflow would refuse the ndarray input predict() takes.

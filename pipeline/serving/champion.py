@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 # The artifacts a served version consists of, by their MLflow artifact key.
 SERVED_ARTIFACTS = {"weights": "model.safetensors", "trainer_state": "trainer_state.json"}
+MANIFEST_NAME = "MANIFEST.json"
 
 
 class ChampionVerificationError(Exception):
@@ -64,32 +65,103 @@ class ServedModel:
             return self.model(images).argmax(dim=1).numpy().astype(np.int64)
 
 
-def serving_manifest(
-    checkpoint_dir: str | Path,
-    checkpoint_manifest_sha256: str,
-    *,
-    exported_weights: Path | None = None,
-) -> dict[str, Any]:
-    """What promotion records for serving: each served file's size and digest (with algorithm).
+class ServedFilesChangedError(Exception):
+    """A checkpoint's files changed between verification and the private copy promotion logs."""
 
-    Taken from the checkpoint's verified ``MANIFEST.json``, so the bytes vouched for are the
-    bytes training committed. A sharded checkpoint has no single weights file: its weights are
-    served from ``exported_weights`` (:func:`export_sharded_weights`), hashed here.
+    def __init__(self, checkpoint_dir: str | Path, problem: str) -> None:
+        super().__init__(
+            f"checkpoint {checkpoint_dir}: {problem}; refusing to promote bytes nobody verified"
+        )
+        self.checkpoint_dir = str(checkpoint_dir)
+
+
+@dataclass(frozen=True)
+class StagedServedFiles:
+    """Private, verified copies of what a promotion logs and vouches for (see ``stage_…``)."""
+
+    folder: Path
+    manifest_sha256: str
+    weights: Path
+    trainer_state: Path
+    exported: bool  # weights consolidated from a sharded checkpoint's verified shards
+
+    @property
+    def manifest(self) -> Path:
+        return self.folder / MANIFEST_NAME
+
+
+def stage_served_files(
+    checkpoint_dir: str | Path, checkpoint_manifest_sha256: str, staging: Path
+) -> StagedServedFiles:
+    """Copy the served files of a checkpoint into ``staging``, verified, before anything logs them.
+
+    ``staging`` must be a private folder of this process (``tempfile.mkdtemp``). The store
+    stays writable by others while MLflow uploads, so nothing is ever read from it twice: its
+    ``MANIFEST.json`` must hash to ``checkpoint_manifest_sha256`` (the ledger's), and each file
+    is hashed while it is copied and must match that manifest. Links are never followed.
+    Raises :class:`ServedFilesChangedError` on any difference.
     """
     import json
 
-    from pipeline.digests import FILE_DIGEST, file_digest
+    from pipeline.checkpoint.layout import SHARDED_FORMAT
+    from pipeline.digests import sha256_bytes
 
-    manifest = json.loads((Path(checkpoint_dir) / "MANIFEST.json").read_bytes())
+    source = Path(checkpoint_dir)
+    manifest_raw = _read_nofollow(source / MANIFEST_NAME, source)
+    actual = sha256_bytes(manifest_raw)
+    if actual != checkpoint_manifest_sha256:
+        raise ServedFilesChangedError(
+            source,
+            f"{MANIFEST_NAME} now has sha256 {actual}, the ledger committed "
+            f"{checkpoint_manifest_sha256}",
+        )
+    _write_new(staging / MANIFEST_NAME, manifest_raw)
+    manifest = json.loads(manifest_raw)
+    listed = {entry["name"]: entry for entry in manifest["files"]}
+    trainer_state = _copy_verified(source, SERVED_ARTIFACTS["trainer_state"], listed, staging)
+    weights = staging / SERVED_ARTIFACTS["weights"]
+    exported = manifest.get("format") == SHARDED_FORMAT
+    if exported:
+        # load_checkpoint parses only bytes it hashed itself; the manifest it hashed must be
+        # the committed one too, or a manifest swapped in meanwhile would vouch for shards.
+        _export_sharded(source, checkpoint_manifest_sha256, weights)
+    else:
+        _copy_verified(source, SERVED_ARTIFACTS["weights"], listed, staging)
+    return StagedServedFiles(
+        folder=staging,
+        manifest_sha256=checkpoint_manifest_sha256,
+        weights=weights,
+        trainer_state=trainer_state,
+        exported=exported,
+    )
+
+
+def serving_manifest(staged: StagedServedFiles) -> dict[str, Any]:
+    """What promotion records for serving: each served file's size and digest (with algorithm).
+
+    Computed from the private verified copies only (:func:`stage_served_files`), so the bytes
+    vouched for are the bytes training committed. A sharded checkpoint has no single weights
+    file: its consolidated export is hashed here.
+    """
+    import json
+
+    from pipeline.digests import FILE_DIGEST, file_digest, sha256_bytes
+
+    manifest_raw = staged.manifest.read_bytes()
+    if sha256_bytes(manifest_raw) != staged.manifest_sha256:
+        raise ServedFilesChangedError(
+            staged.folder, f"the staged {MANIFEST_NAME} is not the committed manifest"
+        )
+    manifest = json.loads(manifest_raw)
     listed = {entry["name"]: entry for entry in manifest["files"]}
     files = {}
     for key, name in SERVED_ARTIFACTS.items():
-        if key == "weights" and exported_weights is not None:
+        if key == "weights" and staged.exported:
             files[key] = {
                 "name": name,
-                "bytes": exported_weights.stat().st_size,
+                "bytes": staged.weights.stat().st_size,
                 "algorithm": FILE_DIGEST.value,
-                "digest": file_digest(exported_weights, FILE_DIGEST),
+                "digest": file_digest(staged.weights, FILE_DIGEST),
                 "exported_from": manifest.get("format"),
             }
             continue
@@ -101,35 +173,84 @@ def serving_manifest(
             "algorithm": algorithm.value,
             "digest": digest,
         }
-    return {"checkpoint_manifest_sha256": checkpoint_manifest_sha256, "files": files}
+    return {"checkpoint_manifest_sha256": staged.manifest_sha256, "files": files}
 
 
-def export_sharded_weights(checkpoint_dir: str | Path, export_root: Path) -> Path | None:
-    """One ``model.safetensors`` built from a sharded checkpoint's verified shards, or None.
-
-    Serving loads one weights file; a checkpoint written by N ranks holds its tensors in DCP
-    shards, so promotion consolidates them (after full verification) into
-    ``<export_root>/<manifest sha256>/model.safetensors``, written durably.
-    """
+def _export_sharded(source: Path, checkpoint_manifest_sha256: str, target: Path) -> None:
     import safetensors.torch
 
     from pipeline.checkpoint import load_checkpoint
-    from pipeline.checkpoint.layout import SHARDED_FORMAT
-    from pipeline.durable import fsync_dir, fsync_file
 
-    contents = load_checkpoint(checkpoint_dir)
-    if contents.info.format != SHARDED_FORMAT:
-        return None
-    target = Path(export_root) / contents.info.manifest_sha256
-    target.mkdir(parents=True, exist_ok=True)
-    path = target / SERVED_ARTIFACTS["weights"]
-    partial = target / f".{path.name}.partial"
+    contents = load_checkpoint(source)
+    if contents.info.manifest_sha256 != checkpoint_manifest_sha256:
+        raise ServedFilesChangedError(
+            source,
+            f"its shards were read under manifest {contents.info.manifest_sha256}, the ledger "
+            f"committed {checkpoint_manifest_sha256}",
+        )
     tensors = {name: tensor.contiguous() for name, tensor in contents.model.items()}
-    safetensors.torch.save_file(tensors, str(partial), metadata={"format": "pt"})
-    fsync_file(partial)
-    partial.replace(path)
-    fsync_dir(target)
-    return path
+    safetensors.torch.save_file(tensors, str(target), metadata={"format": "pt"})
+
+
+def _read_nofollow(path: Path, checkpoint_dir: Path) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ServedFilesChangedError(
+            checkpoint_dir, f"{path.name} cannot be opened ({exc.strerror})"
+        ) from exc
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise ServedFilesChangedError(checkpoint_dir, f"{path.name} is not a file")
+        return handle.read()
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    # O_EXCL|O_NOFOLLOW: the private folder holds only what this process wrote into it.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+
+
+def _copy_verified(
+    source: Path, name: str, listed: dict[str, dict[str, Any]], staging: Path
+) -> Path:
+    if name not in listed:
+        raise ServedFilesChangedError(source, f"{name} is not listed in {MANIFEST_NAME}")
+    try:
+        algorithm, recorded = recorded_digest(listed[name])
+    except ValueError as exc:
+        raise ServedFilesChangedError(source, f"{name}: {exc}") from exc
+    target = staging / name
+    try:
+        src = os.open(source / name, os.O_RDONLY | os.O_NOFOLLOW)  # a link is refused
+    except OSError as exc:
+        raise ServedFilesChangedError(source, f"{name} cannot be opened ({exc.strerror})") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(src).st_mode):
+            raise ServedFilesChangedError(source, f"{name} is not a file")
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            # Hash exactly the bytes written to the copy: one read, so no window between them.
+            digest, size = new_hasher(algorithm), 0
+            while chunk := os.read(src, 4 * 1024 * 1024):
+                digest.update(chunk)
+                size += len(chunk)
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(dst, view) :]
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+    expected_size = int(listed[name]["size"])
+    if size != expected_size or digest.hexdigest() != recorded:
+        raise ServedFilesChangedError(
+            source,
+            f"{name} now has {algorithm} {digest.hexdigest()} ({size} bytes), the committed "
+            f"manifest records {recorded} ({expected_size} bytes)",
+        )
+    return target
 
 
 def load_champion(
