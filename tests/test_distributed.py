@@ -342,11 +342,11 @@ def test_launcher_names_the_first_failed_rank_not_the_collateral() -> None:
 
 
 def test_gpu_seconds_count_one_accelerator_per_rank() -> None:
-    from pipeline.attempts import _accelerators
+    from pipeline.attempts import accelerators_held
 
-    assert _accelerators({"accelerator_count": 0, "world_size": 4}) == 0  # CPU ranks
-    assert _accelerators({"accelerator_count": 8, "world_size": 1}) == 8  # one process, all GPUs
-    assert _accelerators({"accelerator_count": 8, "world_size": 16}) == 16  # 2 nodes x 8 ranks
+    assert accelerators_held({"accelerator_count": 0, "world_size": 4}) == 0  # CPU ranks
+    assert accelerators_held({"accelerator_count": 8, "world_size": 1}) == 8  # one process, 8 GPUs
+    assert accelerators_held({"accelerator_count": 8, "world_size": 16}) == 16  # 2 nodes x 8 ranks
 
 
 @pytest.mark.slow
