@@ -11,14 +11,13 @@ Tracks package from safetensors and JSON alone. No code from the artifact folder
 from __future__ import annotations
 
 import os
-import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline import ids
-from pipeline.digests import new_hasher, recorded_digest
+from pipeline import ids, safepath
+from pipeline.digests import DigestAlgorithm, new_hasher, recorded_digest
 from pipeline.mlflow_setup import CHAMPION_ALIAS, DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
@@ -192,16 +191,20 @@ def _export_sharded(source: Path, checkpoint_manifest_sha256: str, target: Path)
     safetensors.torch.save_file(tensors, str(target), metadata={"format": "pt"})
 
 
-def _read_nofollow(path: Path, checkpoint_dir: Path) -> bytes:
+def _open_served(path: Path, checkpoint_dir: Path) -> int:
+    """An fd for reading ``path``, a regular file reached without a link, or the refusal."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        return safepath.open_regular_nofollow(path)
+    except safepath.UnsafePathError:
+        raise ServedFilesChangedError(checkpoint_dir, f"{path.name} is not a file") from None
     except OSError as exc:
         raise ServedFilesChangedError(
             checkpoint_dir, f"{path.name} cannot be opened ({exc.strerror})"
         ) from exc
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise ServedFilesChangedError(checkpoint_dir, f"{path.name} is not a file")
+
+
+def _read_nofollow(path: Path, checkpoint_dir: Path) -> bytes:
+    with os.fdopen(_open_served(path, checkpoint_dir), "rb") as handle:
         return handle.read()
 
 
@@ -222,35 +225,38 @@ def _copy_verified(
     except ValueError as exc:
         raise ServedFilesChangedError(source, f"{name}: {exc}") from exc
     target = staging / name
+    src = _open_served(source / name, source)
     try:
-        src = os.open(source / name, os.O_RDONLY | os.O_NOFOLLOW)  # a link is refused
-    except OSError as exc:
-        raise ServedFilesChangedError(source, f"{name} cannot be opened ({exc.strerror})") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(src).st_mode):
-            raise ServedFilesChangedError(source, f"{name} is not a file")
         dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             # Hash exactly the bytes written to the copy: one read, so no window between them.
-            digest, size = new_hasher(algorithm), 0
-            while chunk := os.read(src, 4 * 1024 * 1024):
-                digest.update(chunk)
-                size += len(chunk)
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(dst, view) :]
+            actual, size = _read_hashed(src, algorithm, copy_to=dst)
         finally:
             os.close(dst)
     finally:
         os.close(src)
     expected_size = int(listed[name]["size"])
-    if size != expected_size or digest.hexdigest() != recorded:
+    if size != expected_size or actual != recorded:
         raise ServedFilesChangedError(
             source,
-            f"{name} now has {algorithm} {digest.hexdigest()} ({size} bytes), the committed "
+            f"{name} now has {algorithm} {actual} ({size} bytes), the committed "
             f"manifest records {recorded} ({expected_size} bytes)",
         )
     return target
+
+
+def _read_hashed(
+    fd: int, algorithm: DigestAlgorithm, *, copy_to: int | None = None
+) -> tuple[str, int]:
+    """Read ``fd`` to its end: its digest and size, each chunk also written to ``copy_to``."""
+    digest, size = new_hasher(algorithm), 0
+    while chunk := os.read(fd, 4 * 1024 * 1024):
+        digest.update(chunk)
+        size += len(chunk)
+        view = memoryview(chunk)
+        while copy_to is not None and view:
+            view = view[os.write(copy_to, view) :]
+    return digest.hexdigest(), size
 
 
 def load_champion(
@@ -317,21 +323,19 @@ def _verified_files(
             algorithm, recorded = recorded_digest(spec)  # records before BLAKE3 name sha256
         except ValueError as exc:
             raise ChampionVerificationError(model_name, version, f"{name}: {exc}") from exc
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link is refused, not followed
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ChampionVerificationError(model_name, version, f"{name} is not a file")
-            digest, size = new_hasher(algorithm), 0
-            while chunk := os.read(fd, 4 * 1024 * 1024):
-                digest.update(chunk)
-                size += len(chunk)
+            fd = safepath.open_regular_nofollow(path)  # a link is refused, not followed
+        except safepath.UnsafePathError:
+            raise ChampionVerificationError(model_name, version, f"{name} is not a file") from None
+        try:
+            actual, size = _read_hashed(fd, algorithm)
         finally:
             os.close(fd)
-        if size != spec["bytes"] or digest.hexdigest() != recorded:
+        if size != spec["bytes"] or actual != recorded:
             raise ChampionVerificationError(
                 model_name,
                 version,
-                f"{name} has {algorithm} {digest.hexdigest()} ({size} bytes), but promotion "
+                f"{name} has {algorithm} {actual} ({size} bytes), but promotion "
                 f"recorded {recorded} ({spec['bytes']} bytes)",
             )
         paths[key] = path
