@@ -87,6 +87,16 @@ def _promote(
     )
 
 
+def _crown(world: World, tmp_path: Path, run_id: str, model_name: str) -> Path:
+    """Version 1 of ``model_name`` promoted from ``run_id``, recorded in a ledger of its own
+    (``first.db``); its checkpoint."""
+    ledger = open_ledger(tmp_path / "first.db", world.snapshot.snapshot_id, run_id)
+    checkpoint = write_checkpoint(tmp_path, world.good_state, run_id=run_id)
+    _evaluate(world, ledger, checkpoint, run_id)
+    assert _promote(world, ledger, checkpoint, run_id, model_name).model_version == "1"
+    return checkpoint
+
+
 @dataclass(frozen=True)
 class Champion:
     ledger: Ledger
@@ -259,10 +269,7 @@ def test_a_promotion_whose_ledger_row_was_lost_is_recorded_without_a_second_vers
     world: World, tmp_path: Path
 ) -> None:
     name = "digits-repair"
-    first_ledger = open_ledger(tmp_path / "first.db", world.snapshot.snapshot_id, "run-r")
-    checkpoint = write_checkpoint(tmp_path, world.good_state, run_id="run-r")
-    _evaluate(world, first_ledger, checkpoint, "run-r")
-    assert _promote(world, first_ledger, checkpoint, "run-r", name).model_version == "1"
+    checkpoint = _crown(world, tmp_path, "run-r", name)
 
     # As if the process died after moving the alias but before writing the ledger row.
     ledger = open_ledger(tmp_path / "second.db", world.snapshot.snapshot_id, "run-r")

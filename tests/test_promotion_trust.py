@@ -11,31 +11,28 @@ import pytest
 
 from pipeline.data import read_snapshot_frame
 from pipeline.digests import sha256_bytes
-from pipeline.ledger import Ledger, PromotionRecord
+from pipeline.ledger import EvaluationRecord, Ledger, PromotionRecord
 from pipeline.states import PromotionDecision
 
 try:  # tests/ as a package (or the repo root on sys.path), else tests/ itself on sys.path
     from tests.test_evaluation_support import (
         World,
         open_ledger,
-        record_committed,
         shared_world,
         write_checkpoint,
     )
-    from tests.test_promotion import PIXELS, _evaluate
+    from tests.test_promotion import PIXELS, _crown, _evaluate, _promote
 except ModuleNotFoundError:
     from test_evaluation_support import (
         World,
         open_ledger,
-        record_committed,
         shared_world,
         write_checkpoint,
     )
-    from test_promotion import PIXELS, _evaluate
+    from test_promotion import PIXELS, _crown, _evaluate, _promote
 
-# The module, not the function pipeline.promotion re-exports under the same name.
+# The module, where promote() looks up the functions these tests replace.
 promote_module = importlib.import_module("pipeline.promotion.promote")
-promote_fn = promote_module.promote
 
 
 @pytest.fixture(scope="module")
@@ -43,19 +40,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     return shared_world(tmp_path_factory.getbasetemp())
 
 
-def _promote(
-    world: World, ledger: Ledger, checkpoint: Path, run_id: str, model_name: str
-) -> PromotionRecord:
-    record_committed(ledger, checkpoint, world.snapshot.snapshot_id)
-    return promote_fn(
-        ledger=ledger,
-        settings=world.settings,
-        run_id=run_id,
-        attempt_no=1,
-        checkpoint_dir=checkpoint,
-        snapshot_id=world.snapshot.snapshot_id,
-        model_name=model_name,
-    )
+def _store_with_donor(
+    world: World, tmp_path: Path, run_id: str
+) -> tuple[Ledger, Path, Path, list[EvaluationRecord]]:
+    """A run's evaluated checkpoint, and another checkpoint whose weights a writer could swap in."""
+    ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, run_id)
+    checkpoint = write_checkpoint(tmp_path / "ckpt", world.good_state, run_id=run_id)
+    donor = write_checkpoint(tmp_path / "donor", world.untrained_state, run_id="run-donor")
+    return ledger, checkpoint, donor, _evaluate(world, ledger, checkpoint, run_id)
 
 
 def _swap_weights(checkpoint: Path, donor: Path, *, rewrite_manifest: bool) -> None:
@@ -87,10 +79,7 @@ def test_weights_swapped_in_the_store_during_the_upload_are_never_vouched_for(
 
     from pipeline.serving.champion import load_champion
 
-    ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, "run-upload")
-    checkpoint = write_checkpoint(tmp_path / "ckpt", world.good_state, run_id="run-upload")
-    donor = write_checkpoint(tmp_path / "donor", world.untrained_state, run_id="run-donor")
-    evaluations = _evaluate(world, ledger, checkpoint, "run-upload")
+    ledger, checkpoint, donor, evaluations = _store_with_donor(world, tmp_path, "run-upload")
     committed = json.loads((checkpoint / "MANIFEST.json").read_bytes())
     good = next(e for e in committed["files"] if e["name"] == "model.safetensors")
 
@@ -119,10 +108,7 @@ def test_weights_swapped_before_the_private_copy_refuse_the_promotion(
     from pipeline.promotion.promote import champion_version
     from pipeline.serving.champion import ServedFilesChangedError
 
-    ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, "run-early")
-    checkpoint = write_checkpoint(tmp_path / "ckpt", world.good_state, run_id="run-early")
-    donor = write_checkpoint(tmp_path / "donor", world.untrained_state, run_id="run-donor")
-    _evaluate(world, ledger, checkpoint, "run-early")
+    ledger, checkpoint, donor, _ = _store_with_donor(world, tmp_path, "run-early")
     vouch = promote_module._require_ledger_committed
 
     def vouch_then_swap(*args: object) -> None:
@@ -139,10 +125,7 @@ def test_a_champion_with_no_evaluations_to_compare_against_refuses(
     world: World, tmp_path: Path
 ) -> None:
     name = "digits-no-baseline"
-    first = open_ledger(tmp_path / "first.db", world.snapshot.snapshot_id, "run-c1")
-    champion = write_checkpoint(tmp_path, world.good_state, run_id="run-c1")
-    _evaluate(world, first, champion, "run-c1")
-    assert _promote(world, first, champion, "run-c1", name).model_version == "1"
+    _crown(world, tmp_path, "run-c1", name)
 
     # A ledger that knows the champion only by its tag: none of its evaluations are here.
     ledger = open_ledger(tmp_path / "second.db", world.snapshot.snapshot_id, "run-c2")

@@ -77,6 +77,37 @@ def _first_attempt(
     )
 
 
+def _after_an_oom_at_step_200(
+    ledger: Ledger, snapshot: Snapshot, tmp_path: Path
+) -> PreparedAttempt:
+    """A run whose first attempt committed step 200, then ran out of memory."""
+    first = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
+    _commit(ledger, first.attempt, 200)
+    _end(ledger, first.attempt, TerminationReason.OOM)
+    return first
+
+
+def _sigkilled(
+    ledger: Ledger,
+    first: PreparedAttempt,
+    attempt: AttemptRecord,
+    snapshot: Snapshot,
+    tmp_path: Path,
+) -> AttemptRecord:
+    """``attempt`` of ``first``'s run (a smaller batch: another config), ended by SIGKILL."""
+    prepared = PreparedAttempt(
+        run=first.run,
+        attempt=attempt,
+        train_config=_config(snapshot, batch_size=32),
+        config_path=first.config_path,
+        planned_resume_from=None,
+        oom_kills_before=None,
+    )
+    return finish_attempt(
+        ledger, prepared, store=tmp_path / "store", returncode=-9, signal_name="SIGKILL"
+    ).attempt
+
+
 def test_an_attempt_that_dies_before_its_restore_claims_no_restore(
     ledger: Ledger, snapshot: Snapshot, tmp_path: Path
 ) -> None:
@@ -105,43 +136,25 @@ def test_an_attempt_that_dies_before_its_restore_claims_no_restore(
 def test_a_fresh_retry_does_not_reach_its_predecessors_step(
     ledger: Ledger, snapshot: Snapshot, tmp_path: Path
 ) -> None:
-    first = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
+    first = _after_an_oom_at_step_200(ledger, snapshot, tmp_path)
     run_id = first.run.run_id
-    _commit(ledger, first.attempt, 200)
-    _end(ledger, first.attempt, TerminationReason.OOM)
     # The retry starts fresh (its smaller batch is another config) and is SIGKILLed at 50.
     retry = _begin(ledger, run_id)
     ledger.set_resumed_from(run_id, retry.attempt_no, None)
     ledger.heartbeat(run_id, retry.attempt_no, step=50)
-    prepared = PreparedAttempt(
-        run=first.run, attempt=retry, train_config=_config(snapshot, batch_size=32),
-        config_path=first.config_path, planned_resume_from=None, oom_kills_before=None,
-    )  # fmt: skip
-    finished = finish_attempt(
-        ledger, prepared, store=tmp_path / "store", returncode=-9, signal_name="SIGKILL"
-    )
-    assert finished.attempt.last_step == 50, finished.attempt.last_step
+    ended = _sigkilled(ledger, first, retry, snapshot, tmp_path)
+    assert ended.last_step == 50, ended.last_step
     # Its own commit does count.
     third = _begin(ledger, run_id)
     ledger.set_resumed_from(run_id, third.attempt_no, None)
     _commit(ledger, third, 80)
-    prepared = PreparedAttempt(
-        run=first.run, attempt=third, train_config=_config(snapshot, batch_size=32),
-        config_path=first.config_path, planned_resume_from=None, oom_kills_before=None,
-    )  # fmt: skip
-    finished = finish_attempt(
-        ledger, prepared, store=tmp_path / "store", returncode=-9, signal_name="SIGKILL"
-    )
-    assert finished.attempt.last_step == 80
+    assert _sigkilled(ledger, first, third, snapshot, tmp_path).last_step == 80
 
 
 def test_a_silent_attempt_is_charged_its_accelerators_until_its_last_heartbeat(
     ledger: Ledger, snapshot: Snapshot, tmp_path: Path
 ) -> None:
-    first = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
-    run_id = first.run.run_id
-    _commit(ledger, first.attempt, 200)
-    _end(ledger, first.attempt, TerminationReason.OOM)
+    run_id = _after_an_oom_at_step_200(ledger, snapshot, tmp_path).run.run_id
     silent = _begin(ledger, run_id, placement={"accelerator_count": 2})
     ledger.set_resumed_from(run_id, silent.attempt_no, None)  # started fresh
     ledger.heartbeat(run_id, silent.attempt_no, step=50)
@@ -162,10 +175,7 @@ def test_a_silent_attempt_is_charged_its_accelerators_until_its_last_heartbeat(
 def test_the_final_checkpoint_is_the_succeeded_attempts_not_the_highest_step(
     ledger: Ledger, snapshot: Snapshot, tmp_path: Path
 ) -> None:
-    first = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
-    run_id = first.run.run_id
-    _commit(ledger, first.attempt, 200)
-    _end(ledger, first.attempt, TerminationReason.OOM)
+    run_id = _after_an_oom_at_step_200(ledger, snapshot, tmp_path).run.run_id
     # Relaunched with max_steps 100: it starts fresh and succeeds at step 100.
     relaunch = _begin(ledger, run_id)
     final = _commit(ledger, relaunch, 100)
@@ -179,7 +189,5 @@ def test_the_final_checkpoint_is_the_succeeded_attempts_not_the_highest_step(
 def test_no_final_checkpoint_without_a_succeeded_attempt(
     ledger: Ledger, snapshot: Snapshot, tmp_path: Path
 ) -> None:
-    first = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
-    _commit(ledger, first.attempt, 200)
-    _end(ledger, first.attempt, TerminationReason.OOM)
+    first = _after_an_oom_at_step_200(ledger, snapshot, tmp_path)
     assert ledger.latest_committed_checkpoint(first.run.run_id, final=True) is None
