@@ -79,8 +79,7 @@ class TracksGroup(click.Group):
 
 
 def _one_line(exc: BaseException) -> str:
-    # Redacted before it is cut: a URL cut before its '@' would no longer look like one.
-    text = redact.text(" ".join(str(exc).split())) or type(exc).__name__
+    text = redact.one_line(str(exc)) or type(exc).__name__
     if len(text) > 600:
         text = text[:600] + "…"
     return text

@@ -256,8 +256,7 @@ def _reason_of_exception(
 
 def _exception_sentence(reason: TerminationReason, e: AttemptEvidence, step: Any) -> str:
     kind = e.exception_type or "an exception"
-    # Redacted before the cut: a URL cut short of its '@' no longer looks like one.
-    said = " ".join(redact.text(e.exception_message or "").split())[:300]
+    said = redact.one_line(e.exception_message or "")[:300]
     head = f"{kind}{_step_phrase(step)}" + (f": {said}" if said else "")
     tail = {
         R.OOM: "the attempt ran out of accelerator or host memory",

@@ -41,3 +41,9 @@ def text(value: str) -> str:
     """Every URL password inside free text (an error message, a log line) masked."""
     masked = _URL_PASSWORD.sub(lambda m: m["head"] + MASK + m["at"], value)
     return _QUERY_SECRET.sub(lambda m: m["key"] + MASK, masked)
+
+
+def one_line(value: str) -> str:
+    """``value`` on one line (every run of whitespace one space), redacted: ready to be cut to a
+    length. Redact before cutting, always: a URL cut before its '@' no longer looks like one."""
+    return text(" ".join(value.split()))

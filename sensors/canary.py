@@ -259,8 +259,7 @@ def _step_failures(result: dg.ExecuteInProcessResult) -> dict[str, str]:
             message = (user.description if user and user.description else None) or (
                 error.message.strip() if error else "no message"
             )
-            # Printed by the canary: redacted before the cut hides a URL's '@'.
-            failures[event.step_key] = " ".join(redact.text(message).split())[:600]
+            failures[event.step_key] = redact.one_line(message)[:600]
     return failures
 
 

@@ -781,8 +781,7 @@ def classify_exception(exc: BaseException, *, step: int | None) -> Outcome:
     elif isinstance(exc, OSError) or _is_database_error(exc):
         reason, code = TerminationReason.INFRA_TRANSIENT, exit_codes.INFRA_TRANSIENT
     where = f" at step {step}" if step is not None else " before the first step"
-    # Redacted before it is cut: a URL cut before its '@' would no longer look like one.
-    message = redact.text(" ".join(str(exc).split()))[:600]
+    message = redact.one_line(str(exc))[:600]
     return Outcome(
         reason, code, f"{type(exc).__name__}{where}: {message}", step=step, exception=exc
     )
