@@ -32,7 +32,8 @@ FORMAT = "tracks-checkpoint/1"
 # rank's RNG in ``rank-<rank>.json``, each rank's digests in ``digests-<rank>.json``.
 SHARDED_FORMAT = "tracks-checkpoint-sharded/1"
 DCP_METADATA_FILE = ".metadata"
-_DCP_SHARD_RE = re.compile(r"^__\d+_\d+\.distcp\Z")
+_DCP_SHARD_RE = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp\Z")
+_RANK_FILE_RE = re.compile(r"^(?P<kind>rank|digests)-(?P<rank>\d{5,})\.json\Z")
 
 _DIR_RE = re.compile(r"^step-(?P<step>\d{10})-a(?P<attempt>\d{2,})\Z")
 
@@ -40,6 +41,16 @@ _DIR_RE = re.compile(r"^step-(?P<step>\d{10})-a(?P<attempt>\d{2,})\Z")
 def is_dcp_file(name: str) -> bool:
     """A file torch.distributed.checkpoint writes (and only its restricted loaders read)."""
     return name == DCP_METADATA_FILE or _DCP_SHARD_RE.match(name) is not None
+
+
+def file_rank(name: str) -> tuple[str, int] | None:
+    """Whose file ``name`` is in a sharded checkpoint: ``("shard", rank)`` for a DCP shard,
+    ``("rank", rank)`` or ``("digests", rank)`` for a rank's JSON; None for a run-level file."""
+    if (shard := _DCP_SHARD_RE.match(name)) is not None:
+        return "shard", int(shard["rank"])
+    if (own := _RANK_FILE_RE.match(name)) is not None:
+        return own["kind"], int(own["rank"])
+    return None
 
 
 def rank_file(rank: int) -> str:

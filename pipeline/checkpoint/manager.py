@@ -66,6 +66,7 @@ from pipeline.checkpoint.state import (
 from pipeline.checkpoint.verify import (
     CheckpointContents,
     CheckpointInfo,
+    LedgerCommit,
     checkpoint_dirs,
     is_committed,
     load_checkpoint,
@@ -507,6 +508,26 @@ class CheckpointManager:
             }
         return [d for d in checkpoint_dirs(self.run_dir) if str(d) not in ruled_out]
 
+    def ledger_commits(self) -> dict[str, LedgerCommit] | None:
+        """What the ledger committed, by directory: None without a ledger (the directory is
+        then the only record). A directory missing from the map has no committed row: with a
+        ledger, nothing the store holds is a checkpoint unless the ledger committed it."""
+        if self.ledger is None:
+            return None
+        return {
+            c.path: LedgerCommit(c.manifest_sha256)
+            for c in self.ledger.checkpoints(self.run_id, [CheckpointState.COMMITTED])
+        }
+
+    @staticmethod
+    def ledger_commit_of(
+        directory: Path, commits: dict[str, LedgerCommit] | None
+    ) -> LedgerCommit | None:
+        """The ledger's word on ``directory`` (see :meth:`ledger_commits`), None without one."""
+        if commits is None:
+            return None
+        return commits.get(str(directory), LedgerCommit(None))
+
     def resume(self, state: TrainingState) -> CheckpointInfo | None:
         """Restore ``state`` from the newest committed checkpoint that verifies and validates.
 
@@ -532,10 +553,14 @@ class CheckpointManager:
         """
         fresh: StagedCheckpoint | None = None
         changed: tuple[Path, Exception] | None = None
+        commits = self.ledger_commits()
         for directory in self.committed_dirs():
             touched = False
+            # With a ledger, MANIFEST.json must be the one it committed: every read below
+            # verifies against that manifest, so a re-signed folder is refused before its bytes.
+            vouched = self.ledger_commit_of(directory, commits)
             try:
-                saved = read_trainer_state(directory)
+                saved = read_trainer_state(directory, ledger_commit=vouched)
                 if saved.get("config_sha256") != state.config_sha256:
                     # Written under an earlier config of this run (e.g. before an OOM retry
                     # with a smaller batch): not this trajectory, so not a resume target.
@@ -551,7 +576,11 @@ class CheckpointManager:
                 probe_early = functools.partial(_probe_early, state, into=early)
                 # Nothing runs beside a resume: BLAKE3 may take every core.
                 contents = load_checkpoint(
-                    directory, into=into, on_model=probe_early, hash_threads=usable_cores()
+                    directory,
+                    into=into,
+                    on_model=probe_early,
+                    hash_threads=usable_cores(),
+                    ledger_commit=vouched,
                 )
                 touched = contents.read_in_place
                 self._check_belongs(directory, contents.trainer_state, state)

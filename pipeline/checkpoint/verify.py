@@ -33,6 +33,7 @@ from pipeline.checkpoint.layout import (
     PROBE_FILE,
     SHARDED_FORMAT,
     TRAINER_STATE_FILE,
+    file_rank,
     is_dcp_file,
     parse_checkpoint_dir_name,
 )
@@ -82,6 +83,19 @@ class CheckpointInfo:
     # number of ranks that wrote it.
     format: str = FORMAT
     world_size: int = 1
+
+
+@dataclass(frozen=True)
+class LedgerCommit:
+    """What the ledger's committed row for a checkpoint directory records: its MANIFEST.json
+    sha256 (None: the ledger has no committed row for that directory).
+
+    With a ledger attached, that row, not the folder, is the record of what was committed: a
+    store that rewrites a checkpoint and re-signs MANIFEST.json and COMMITTED to match cannot
+    also rewrite the ledger.
+    """
+
+    manifest_sha256: str | None
 
 
 @dataclass(frozen=True)
@@ -195,13 +209,16 @@ def _read_json(directory: Path, name: str) -> tuple[dict[str, Any], bytes]:
     return value, raw
 
 
-def verify_checkpoint(directory: str | Path) -> CheckpointInfo:
+def verify_checkpoint(
+    directory: str | Path, *, ledger_commit: LedgerCommit | None = None
+) -> CheckpointInfo:
     """Check COMMITTED → MANIFEST.json → every file's size and digest, and nothing extra.
 
-    Raises :class:`CorruptCheckpointError` naming the directory, the file and what differs,
-    or :class:`UnsafeCheckpointError` when a pickle is present.
+    ``ledger_commit``: what the ledger recorded for this directory; MANIFEST.json must then be
+    the manifest it committed. Raises :class:`CorruptCheckpointError` naming the directory,
+    the file and what differs, or :class:`UnsafeCheckpointError` when a pickle is present.
     """
-    info, listed = _verify_layout(directory)
+    info, listed = _verify_layout(directory, ledger_commit)
     verify_files(info.path, listed, list(listed))
     return info
 
@@ -220,8 +237,14 @@ def verify_files(directory: Path, listed: dict[str, ListedFile], names: list[str
             future.result()
 
 
-def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, ListedFile]]:
-    """Everything :func:`verify_checkpoint` checks but the files' hashes (sizes included)."""
+def _verify_layout(
+    directory: str | Path, ledger_commit: LedgerCommit | None = None
+) -> tuple[CheckpointInfo, dict[str, ListedFile]]:
+    """Everything :func:`verify_checkpoint` checks but the files' hashes (sizes included).
+
+    Every later check hangs off the MANIFEST.json read here: held to ``ledger_commit``, the
+    whole chain (each file's digest) is the one the ledger committed.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         raise CorruptCheckpointError(directory, ".", "directory does not exist")
@@ -235,6 +258,18 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, Lis
         if key not in committed:
             raise CorruptCheckpointError(directory, COMMITTED_FILE, f"has no {key!r}")
     actual = sha256_bytes(manifest_raw)
+    if ledger_commit is not None and ledger_commit.manifest_sha256 != actual:
+        raise CorruptCheckpointError(
+            directory,
+            MANIFEST_FILE,
+            f"sha256 is {actual} but the ledger "
+            + (
+                f"committed {ledger_commit.manifest_sha256} for this checkpoint"
+                if ledger_commit.manifest_sha256
+                else "has no committed row for this checkpoint"
+            )
+            + ": the folder was rewritten after its commit, or never committed",
+        )
     if committed["manifest_sha256"] != actual:
         raise CorruptCheckpointError(
             directory,
@@ -291,8 +326,9 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, Lis
         if name not in listed:
             raise CorruptCheckpointError(directory, MANIFEST_FILE, f"does not list {name}")
     world_size = manifest.get("world_size", 1)
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise CorruptCheckpointError(directory, MANIFEST_FILE, f"world_size {world_size!r}")
+    _check_world_size(directory, world_size, listed if sharded else None)
     if not sharded:
         # DCP files in a single-process checkpoint are not exempt (the rest were checked).
         for name in sorted(dcp_files):
@@ -331,12 +367,43 @@ def _verify_layout(directory: str | Path) -> tuple[CheckpointInfo, dict[str, Lis
     return info, listed
 
 
+def _check_world_size(
+    directory: Path, world_size: int, listed: dict[str, ListedFile] | None
+) -> None:
+    """The ranks a manifest's files belong to are exactly ``range(world_size)``.
+
+    Each rank of a sharded save writes its own ``rank-<rank>.json`` and ``digests-<rank>.json``
+    and DCP names its shards ``__<rank>_<n>.distcp``; a single-process checkpoint
+    (``listed`` None) is world size 1. A false world size would be believed by the resume
+    (whose rank RNG it restores) and stated on the receipt (what it resharded from).
+    """
+    if listed is None:
+        if world_size != 1:
+            raise CorruptCheckpointError(
+                directory, MANIFEST_FILE, f"world_size {world_size} for a single-process format"
+            )
+        return
+    found: dict[str, set[int]] = {"rank": set(), "digests": set(), "shard": set()}
+    for name in listed:
+        if (owner := file_rank(name)) is not None:
+            found[owner[0]].add(owner[1])
+    expected = set(range(world_size))
+    if found["rank"] != expected or found["digests"] != expected or not found["shard"] <= expected:
+        raise CorruptCheckpointError(
+            directory,
+            MANIFEST_FILE,
+            f"world_size {world_size} but the files it lists are those of ranks "
+            f"{sorted(set().union(*found.values()))}",
+        )
+
+
 def load_checkpoint(
     directory: str | Path,
     *,
     into: dict[str, dict[str, torch.Tensor]] | None = None,
     on_model: Callable[[dict[str, torch.Tensor]], object] | None = None,
     hash_threads: int = 1,
+    ledger_commit: LedgerCommit | None = None,
 ) -> CheckpointContents:
     """Verify, then read every file (safetensors and JSON, never pickle).
 
@@ -358,8 +425,10 @@ def load_checkpoint(
 
     ``hash_threads`` > 1 lets one block's BLAKE3 run on that many cores: for a restore that
     nothing else runs beside (once the first file is read, the second is hashed alone).
+
+    ``ledger_commit``: what the ledger recorded for this directory (see :class:`LedgerCommit`).
     """
-    info, listed = _verify_layout(directory)
+    info, listed = _verify_layout(directory, ledger_commit)
     if info.format == SHARDED_FORMAT:
         from pipeline.checkpoint.sharded import load_sharded
 
@@ -451,12 +520,15 @@ def _model_read(
     then(tensors)
 
 
-def read_trainer_state(directory: str | Path) -> dict[str, Any]:
-    """A committed checkpoint's ``trainer_state.json``, verified against MANIFEST.json.
+def read_trainer_state(
+    directory: str | Path, *, ledger_commit: LedgerCommit | None = None
+) -> dict[str, Any]:
+    """A committed checkpoint's ``trainer_state.json``, verified against MANIFEST.json (and
+    MANIFEST.json against ``ledger_commit``, when given).
 
     Cheap (the layout and one small file): what a reader checks before it reads gigabytes.
     """
-    info, listed = _verify_layout(directory)
+    info, listed = _verify_layout(directory, ledger_commit)
     if TRAINER_STATE_FILE not in listed:
         raise CorruptCheckpointError(info.path, TRAINER_STATE_FILE, "not listed in MANIFEST.json")
     raw = read_verified(info.path, listed[TRAINER_STATE_FILE]).numpy().tobytes()
