@@ -56,7 +56,7 @@ def resources_for(env_name: str, settings: TracksSettings) -> dict[str, dg.Confi
             if not url.startswith("postgresql"):
                 raise DeploymentError(
                     f"TRACKS_ENV=production needs {name} to be a PostgreSQL URL, "
-                    f"got {redact.url(url)!r}"
+                    f"got {redact.database_url(url)!r}"
                 )
         return _resources(settings)
     raise DeploymentError(f"TRACKS_ENV must be 'local' or 'production', got {env_name!r}")

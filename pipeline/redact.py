@@ -15,6 +15,15 @@ _URL_PASSWORD = re.compile(
     r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*:)(?P<secret>\S*?)(?P<at>@)"
     r"(?=[^\s@/?#]*(?:[/?#\s]|$))"
 )
+# The same rule over one whole URL (not free text): there the password may also hold
+# whitespace (a space, a tab, a newline), which in free text would end the URL.
+_WHOLE_URL_PASSWORD = re.compile(
+    r"\A(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*:)(?P<secret>.*?)(?P<at>@)"
+    r"(?=[^\s@/?#]*(?:[/?#]|\s*\Z))",
+    re.DOTALL,
+)
+# What comes before anything that could be userinfo in a URL that does not parse.
+_SCHEME = re.compile(r"\A[A-Za-z][A-Za-z0-9+.\-]*:/*")
 # A query parameter whose name says it holds a secret, wherever that word sits in the name
 # (sslpassword, access_token, client_secret, apikey).
 _QUERY_SECRET = re.compile(
@@ -33,7 +42,38 @@ def url(value: str) -> str:
         user = parts.username or ""
         value = urlunsplit(parts._replace(netloc=f"{user}:{MASK}@{netloc[-1]}"))
     # urlsplit ends the netloc at the first '/' or '#': a password holding one is only seen as
-    # a password by the text rules.
+    # a password by the whole-URL and text rules.
+    value = _WHOLE_URL_PASSWORD.sub(lambda m: m["head"] + MASK + m["at"], value, count=1)
+    return text(value)
+
+
+def database_url(value: str) -> str:
+    """A database URL fit to print (the ledger's, MLflow's): no part of its password shows.
+
+    Where SQLAlchemy parses it, SQLAlchemy's own rendering with the password hidden (so what the
+    driver would be handed as the password is what goes), then :func:`url` over that, for a
+    password SQLAlchemy cut at an '@' and for secret query parameters. Where it does not parse
+    (``postgresql:/u:pw@h/db``, a port that is not a number), everything that could be userinfo
+    goes: up to the last '@' after the scheme, or all after the scheme when there is no '@'
+    but a ':'.
+    """
+    from sqlalchemy.engine import make_url
+
+    try:
+        rendered = make_url(value).render_as_string(hide_password=True)
+    except Exception:  # ArgumentError, ValueError (the port), anything a stranger string raises
+        return _without_userinfo(value)
+    return url(rendered)
+
+
+def _without_userinfo(value: str) -> str:
+    head = _SCHEME.match(value)
+    scheme = head.group() if head else ""
+    rest = value[len(scheme) :]
+    if "@" in rest:
+        return scheme + MASK + text(rest[rest.rindex("@") :])
+    if ":" in rest:
+        return scheme + MASK
     return text(value)
 
 

@@ -10,10 +10,11 @@ from pathlib import Path
 class UnsafePathError(ValueError):
     """A path that leaves its root, or passes through a symlink where none is allowed."""
 
-    def __init__(self, path: Path | str, root: Path | str, why: str) -> None:
+    def __init__(self, path: Path | str, root: Path | str | None, why: str) -> None:
         self.path = Path(path)
-        self.root = Path(root)
-        super().__init__(f"{path}: {why} (must stay under {root})")
+        self.root = Path(root) if root is not None else None
+        under = f" (must stay under {root})" if root is not None else ""
+        super().__init__(f"{path}: {why}{under}")
 
 
 def child(root: Path, *parts: str) -> Path:
@@ -54,6 +55,32 @@ def no_symlinks(root: Path, path: Path) -> Path:
         if stat.S_ISLNK(mode):
             raise UnsafePathError(current, root, "is a symlink; Tracks does not follow links")
     return path_abs
+
+
+def no_symlinked_folder(path: Path, what: str) -> Path:
+    """``path`` made absolute; refused when it or any folder above it is a symlink.
+
+    For a folder whose whole path is Tracks' to trust, such as the landing folder that
+    :class:`~pipeline.settings.TracksSettings` builds: the part the operator configured is
+    resolved there already, so a link found here was made later, under ``TRACKS_HOME``, or is
+    the folder itself. ``what`` names the folder in the refusal. Missing components are fine.
+    """
+    absolute = Path(os.path.abspath(path))
+    current = Path(absolute.anchor)
+    for part in absolute.parts[1:]:
+        current = current / part
+        try:
+            mode = os.lstat(current).st_mode
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(mode):
+            said = (
+                f"{what} is a symlink"
+                if current == absolute
+                else f"a symlink on the way to {what} {absolute}"
+            )
+            raise UnsafePathError(current, None, f"{said}; Tracks does not follow links")
+    return absolute
 
 
 def under(root: Path, *parts: str) -> Path:

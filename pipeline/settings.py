@@ -3,10 +3,47 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from pipeline import redact
+
 DEFAULT_HOME = ".tracks"
+_URL_FIELDS = ("ledger_url", "mlflow_tracking_uri")
+
+
+class DatabaseUrlError(ValueError):
+    """A database URL that cannot be used as written. ``shown`` is the URL with its password
+    masked, ``problem`` what is wrong; neither holds the password."""
+
+    def __init__(self, shown: str, problem: str) -> None:
+        self.shown = shown
+        self.problem = problem
+        super().__init__(f"database URL {shown}: {problem}")
+
+
+def check_database_url(url: str) -> None:
+    """Refuse a URL SQLAlchemy cannot read, or whose port is not one of 1-65535.
+
+    Said before any connection, in words that name the URL (redacted): SQLAlchemy's own are
+    ``invalid literal for int()`` for a port such as ``:abc``, and a driver error much later for
+    ``:99999``. Raises :class:`DatabaseUrlError`.
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    shown = redact.database_url(url)
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise DatabaseUrlError(
+            shown, "not a database URL (dialect+driver://user:password@host:port/database)"
+        ) from None
+    except ValueError:
+        # SQLAlchemy's message quotes the port text, which may hold part of the password.
+        raise DatabaseUrlError(shown, "its port is not a number from 1 to 65535") from None
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:
+        raise DatabaseUrlError(shown, f"its port {parsed.port} is not from 1 to 65535")
 
 
 @dataclass(frozen=True)
@@ -21,6 +58,13 @@ class TracksSettings:
     snapshot_root: Path
     checkpoint_root: Path
     work_root: Path
+
+    def __repr__(self) -> str:
+        # A dataclass repr would print the URLs whole, passwords included, into any log line.
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in _URL_FIELDS:
+            shown[name] = redact.database_url(shown[name])
+        return f"TracksSettings({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     @classmethod
     def from_env(cls, environ: os._Environ[str] | dict[str, str] | None = None) -> TracksSettings:
@@ -39,7 +83,7 @@ class TracksSettings:
             mlflow_artifact_root=Path(
                 env.get("TRACKS_MLFLOW_ARTIFACTS") or home / "mlartifacts"
             ).resolve(),
-            landing_root=Path(env.get("TRACKS_LANDING") or home / "landing").resolve(),
+            landing_root=_landing_root(env.get("TRACKS_LANDING"), home),
             snapshot_root=Path(env.get("TRACKS_SNAPSHOTS") or home / "snapshots").resolve(),
             checkpoint_root=Path(env.get("TRACKS_CHECKPOINTS") or home / "checkpoints").resolve(),
             work_root=(home / "work").resolve(),
@@ -55,6 +99,20 @@ class TracksSettings:
             self.work_root,
         ):
             path.mkdir(parents=True, exist_ok=True)
+
+
+def _landing_root(configured: str | None, home: Path) -> Path:
+    """The landing folder, absolute but with its own links left in place.
+
+    Under ``TRACKS_HOME`` (the default ``home/landing``) nothing below the home is resolved;
+    elsewhere, the folders above it are (the operator's own path) but not the folder itself. A
+    link left in the path is then one :func:`~pipeline.data.landing.landing_files` refuses,
+    where resolving it here would have read and snapshotted whatever it pointed at.
+    """
+    path = Path(os.path.abspath(Path(configured).expanduser())) if configured else home / "landing"
+    if path.is_relative_to(home):
+        return path
+    return path.parent.resolve() / path.name
 
 
 @dataclass(frozen=True)

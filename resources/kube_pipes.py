@@ -48,6 +48,9 @@ _CRD = {
     Backend.TRAINJOB: (TRAINER_GROUP, TRAINER_VERSION, TRAINJOB_PLURAL, "TrainJob"),
     Backend.JOBSET: (JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL, "JobSet"),
 }
+# Long enough for a cluster autoscaler to add a node (a few minutes), short enough that a
+# request no node can meet is said within minutes, not after the hour-long start timeout.
+DEFAULT_UNSCHEDULABLE_TIMEOUT = 300.0
 
 
 class TrainerLaunchError(RuntimeError):
@@ -183,7 +186,9 @@ class TrainJobPipesClient(dg.PipesClient):
     """Runs a :class:`TrainerSpec` on Kubernetes and follows rank 0 through Pipes.
 
     ``apis`` is built from the in-cluster config (or kubeconfig) on first use unless injected.
-    ``sleeper`` and ``clock`` are injectable so tests run in milliseconds.
+    ``sleeper`` and ``clock`` are injectable so tests run in milliseconds. Rank 0 may take
+    ``pod_start_timeout`` seconds to start (queued, pulling), but only ``unschedulable_timeout``
+    of them with the scheduler saying it fits no node: then the attempt ends quoting it.
     """
 
     def __init__(
@@ -192,6 +197,7 @@ class TrainJobPipesClient(dg.PipesClient):
         apis: KubeApis | None = None,
         poll_interval: float = 5.0,
         pod_start_timeout: float = 3600.0,
+        unschedulable_timeout: float = DEFAULT_UNSCHEDULABLE_TIMEOUT,
         delete_on_completion: bool = False,
         sleeper: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
@@ -199,6 +205,7 @@ class TrainJobPipesClient(dg.PipesClient):
         self._apis = apis
         self.poll_interval = poll_interval
         self.pod_start_timeout = pod_start_timeout
+        self.unschedulable_timeout = unschedulable_timeout
         self.delete_on_completion = delete_on_completion
         self.sleeper = sleeper
         self.clock = clock
@@ -343,6 +350,7 @@ class TrainJobPipesClient(dg.PipesClient):
         deadline = self.clock() + self.pod_start_timeout
         selector = rank0_selector(spec, backend)
         last_seen: dict[str, Any] | None = None
+        unschedulable_since: float | None = None
         while True:
             pod = self._find_rank0(spec, selector)
             if pod is not None:
@@ -354,7 +362,15 @@ class TrainJobPipesClient(dg.PipesClient):
             if failure is not None:
                 kind = "Job" if backend == Backend.INDEXED_JOB else _CRD[backend][3]
                 return _NoPod(endings.ending_without_pod(kind, spec.name, failure), held_since)
-            if self.clock() >= deadline:
+            now = self.clock()
+            said = endings.unschedulable(pod) if pod is not None else None
+            if said is None:
+                unschedulable_since = None
+            elif unschedulable_since is None:
+                unschedulable_since = now
+            elif now - unschedulable_since >= self.unschedulable_timeout:
+                return _NoPod(self._unschedulable(spec, now - unschedulable_since, said))
+            if now >= deadline:
                 where = _pending_phrase(last_seen)
                 return _NoPod(
                     endings.Termination(
@@ -365,6 +381,15 @@ class TrainJobPipesClient(dg.PipesClient):
                     held_since,
                 )
             self.sleeper(self.poll_interval)
+
+    def _unschedulable(self, spec: TrainerSpec, seconds: float, said: str) -> endings.Termination:
+        # Infrastructure, as the start timeout is: a busy cluster may have room on a retry.
+        return endings.Termination(
+            TerminationReason.INFRA_TRANSIENT,
+            f"Rank 0 of {spec.name} could not be scheduled: the scheduler found no node for it "
+            f"for {seconds:.0f}s (unschedulable_timeout {self.unschedulable_timeout:.0f}s), "
+            f'saying "{said.rstrip(".")}"; the workload was stopped.',
+        )
 
     def _find_rank0(self, spec: TrainerSpec, selector: Mapping[str, str]) -> dict[str, Any] | None:
         found = self.apis.core.list_namespaced_pod(

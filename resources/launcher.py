@@ -217,6 +217,9 @@ class TrainerLauncherResource(dg.ConfigurableResource):
     poll_interval_seconds: float = 5.0
     pod_start_timeout_seconds: float = 3600.0
     """How long rank 0 may stay unscheduled or pulling (time queued in Kueue counts)."""
+    unschedulable_timeout_seconds: float = 300.0
+    """How long the scheduler may say rank 0 fits no node (PodScheduled=False, Unschedulable)
+    before the attempt ends quoting it; a cluster autoscaler adding a node takes minutes."""
 
     @property
     def python_executable(self) -> str:
@@ -264,7 +267,11 @@ class TrainerLauncherResource(dg.ConfigurableResource):
                 )
             return backend, self.nproc_per_node
         self.trainer_spec(trainer_name(_PLACEHOLDER_RUN, 1, max(self.nnodes, 1)), env=env)
-        for key in ("poll_interval_seconds", "pod_start_timeout_seconds"):
+        for key in (
+            "poll_interval_seconds",
+            "pod_start_timeout_seconds",
+            "unschedulable_timeout_seconds",
+        ):
             if not getattr(self, key) > 0:
                 raise TrainerConfigError(
                     key, f"resources.trainer.config.{key} is {getattr(self, key)}; it must be > 0"
@@ -366,6 +373,7 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         return TrainJobPipesClient(
             poll_interval=self.poll_interval_seconds,
             pod_start_timeout=self.pod_start_timeout_seconds,
+            unschedulable_timeout=self.unschedulable_timeout_seconds,
         )
 
     def _launch_on_kubernetes(

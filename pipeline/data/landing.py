@@ -70,7 +70,8 @@ def write_digits_landing(
     # One plain .parquet name, never a path: `../x.parquet` would land outside the folder, and a
     # hidden name would never be seen by landing_files (the data silently never snapshotted).
     name = ids.landing_file_name(file_name or DEFAULT_FILE_NAME)
-    path = safepath.under(Path(landing_dir).resolve(), name)
+    # Not resolved: a symlinked landing folder is refused, never written through.
+    path = safepath.under(_landing_folder(landing_dir), name)
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_atomically(pa.table(columns), path)
     return path
@@ -81,8 +82,9 @@ def landing_files(landing_dir: Path) -> list[Path]:
 
     A file reached through a symlink is refused (:class:`~pipeline.safepath.UnsafePathError`),
     not skipped: a snapshot would otherwise copy bytes from outside the folder, or quietly
-    leave data out.
+    leave data out. So is a landing folder that is a symlink, or lies under one.
     """
+    _landing_folder(landing_dir)
     landing_dir = Path(landing_dir)
     if not landing_dir.is_dir():
         return []
@@ -96,6 +98,13 @@ def landing_files(landing_dir: Path) -> list[Path]:
         if path.is_file():
             found.append(path)
     return sorted(found, key=lambda p: p.relative_to(landing_dir).as_posix())
+
+
+def _landing_folder(landing_dir: Path) -> Path:
+    # Every component is checked, not only those below a root: TracksSettings resolves what the
+    # operator configured (TRACKS_HOME, a TRACKS_LANDING outside it), so a link left in the
+    # path was made under TRACKS_HOME, or is the landing folder itself.
+    return safepath.no_symlinked_folder(Path(landing_dir), "the landing folder")
 
 
 def _stratified_split(labels: np.ndarray, rng: np.random.Generator) -> list[str]:

@@ -73,20 +73,28 @@ class Snapshot:
 
 
 def describe_landing(landing_dir: Path) -> list[LandingFile]:
-    """Name, size and sha256 of every landing file; raises if there are none."""
+    """Name, size and sha256 of every landing file; raises if there are none.
+
+    A file that is not readable Parquet (empty, truncated, another format) raises
+    :class:`LandingFileError` naming it here, so no snapshot id (a sensor's partition, the
+    answer of ``tracks snapshot-id``) is ever given to data no step could read.
+    """
     landing_dir = Path(landing_dir)
     paths = landing_files(landing_dir)
     if not paths:
         raise NoLandingFilesError(landing_dir)
-    return [
-        LandingFile(
-            name=path.relative_to(landing_dir).as_posix(),
-            path=path,
-            bytes=path.stat().st_size,
-            sha256=sha256_file(path),
+    described = []
+    for path in paths:
+        _parquet_rows(path, path)
+        described.append(
+            LandingFile(
+                name=path.relative_to(landing_dir).as_posix(),
+                path=path,
+                bytes=path.stat().st_size,
+                sha256=sha256_file(path),
+            )
         )
-        for path in paths
-    ]
+    return described
 
 
 def snapshot_id_for(landing_dir: Path) -> str:

@@ -137,6 +137,21 @@ def scheduled_at(pod: Mapping[str, Any]) -> datetime | None:
     return None
 
 
+def unschedulable(pod: Mapping[str, Any]) -> str | None:
+    """The scheduler's words while it cannot place the pod (``PodScheduled=False``, reason
+    ``Unschedulable``), on one line and redacted; None when it is not (or no longer) so."""
+    for condition in _get(pod, "status", "conditions") or []:
+        if (
+            isinstance(condition, Mapping)
+            and condition.get("type") == "PodScheduled"
+            and condition.get("status") == "False"
+            and condition.get("reason") == "Unschedulable"
+        ):
+            said = redact.one_line(str(condition.get("message") or ""))
+            return (said[:500] + "…" if len(said) > 500 else said) or "Unschedulable"
+    return None
+
+
 def finished_at(pod: Mapping[str, Any]) -> datetime | None:
     """When the trainer container ended (``state.terminated.finishedAt``), if it has."""
     return _timestamp((terminated_state(pod) or {}).get("finishedAt"))

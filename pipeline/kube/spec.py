@@ -12,7 +12,9 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from enum import StrEnum
+from pathlib import PurePosixPath
 from types import MappingProxyType
 
 from pipeline import ids, redact
@@ -54,6 +56,37 @@ _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
 _SECRET_NAME = re.compile(
     r"(?i)(PASSWORD|PASSWD|SECRET|TOKEN|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL)"
 )
+
+
+# Upper bounds on what one attempt may ask for: past them a typo ("5000" CPUs, "40Ti"), not a
+# cluster, is the likelier cause, and the pods would sit Pending for want of such a node.
+MAX_NNODES = 1024
+MAX_NPROC_PER_NODE = 64  # as resources.trainer.config.nproc_per_node allows on every backend
+MAX_CPU = Decimal(512)  # cores per node (pod)
+MAX_GPUS = 16  # per node (pod); the largest nodes carry 8
+MIN_MEMORY, MAX_MEMORY = "128Mi", "4Ti"  # Python and torch alone need more than the minimum
+_QUANTITY_SUFFIX = {
+    "": Decimal(1),
+    **{s: Decimal(10) ** (3 * i) for i, s in enumerate("kMGTPE", start=1)},
+    **{s: Decimal(10) ** (-3 * i) for i, s in enumerate("mun", start=1)},
+    **{f"{s}i": Decimal(2) ** (10 * i) for i, s in enumerate("KMGTPE", start=1)},
+}
+
+# Where a mounted claim must not go: in, under or above these it would hide the system, the
+# interpreter and its packages, or the pod's own credentials, and whoever can write to the claim
+# would choose what the trainer runs. /usr holds /usr/lib/python* and /usr/local/lib/python*.
+SYSTEM_FOLDERS = (
+    "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/root",
+    "/run", "/sbin", "/sys", "/usr", "/var",
+)  # fmt: skip
+# /opt/tracks is the image's WORKDIR (deploy/Dockerfile), the first entry of sys.path under
+# `python -m`: a claim there would replace Tracks' own code.
+PYTHON_FOLDERS = {"/opt/conda": "conda's Python prefix", "/opt/tracks": "the image's code folder"}
+SERVICE_ACCOUNT_FOLDERS = ("/var/run/secrets", "/run/secrets")  # the service-account token
+# The image's TRACKS_HOME (deploy/Dockerfile, docs/kubernetes.md): made for Tracks' own state,
+# it hides nothing, and is the one place under a system folder that a claim may go.
+STATE_FOLDERS = ("/var/lib/tracks",)
+_PACKAGE_DIRS = frozenset({"site-packages", "dist-packages"})
 
 
 class Backend(StrEnum):
@@ -123,6 +156,59 @@ def _quantity(field_name: str, value: object) -> str:
     return value
 
 
+def _quantity_value(value: str) -> Decimal:
+    """A quantity already matched by ``_QUANTITY`` as a number (cores, bytes, a count)."""
+    match = _QUANTITY.match(value)
+    assert match is not None, value
+    number, tail = Decimal(match.group(1)), match.group(3) or ""
+    if tail in _QUANTITY_SUFFIX:
+        return number * _QUANTITY_SUFFIX[tail]
+    try:
+        return number.scaleb(int(tail[1:]))  # a decimal exponent: "2e3"
+    except (InvalidOperation, ValueError):
+        return Decimal("Infinity")
+
+
+def _mount_path(path: object, python: str) -> str:
+    """Refuse a mount path that would hide the system, the interpreter or the pod's token."""
+    if not isinstance(path, str) or not path.startswith("/") or ".." in path.split("/"):
+        raise InvalidTrainerSpecError(
+            "checkpoint_mount_path", path, "must be an absolute path without '..'"
+        )
+    if "\x00" in path:
+        raise InvalidTrainerSpecError("checkpoint_mount_path", path, "must not hold a NUL")
+    # "//etc/." is /etc: compare what the kubelet would mount at.
+    mount = PurePosixPath("/" + path.lstrip("/"))
+    if mount == PurePosixPath("/"):
+        raise InvalidTrainerSpecError(
+            "checkpoint_mount_path", path, "must not be '/': the claim would hide the whole image"
+        )
+    if _PACKAGE_DIRS & set(mount.parts):
+        raise InvalidTrainerSpecError(
+            "checkpoint_mount_path", path, "must not be in a site-packages or dist-packages folder"
+        )
+    if any(mount.is_relative_to(state) for state in STATE_FOLDERS):
+        return path
+    # Most specific first, so the refusal names the token folder rather than /var.
+    protected = [(f, "the service-account token folder") for f in SERVICE_ACCOUNT_FOLDERS]
+    protected += list(PYTHON_FOLDERS.items())
+    interpreter = PurePosixPath(python)
+    if interpreter.is_absolute() and len(interpreter.parts) > 3:
+        # .../bin/python: the prefix above bin/ holds the interpreter's lib/ and packages.
+        protected.append((str(interpreter.parent.parent), f"the prefix of {python}"))
+    protected += [(f, "a system folder") for f in SYSTEM_FOLDERS]
+    for folder, what in protected:
+        if mount.is_relative_to(folder) or PurePosixPath(folder).is_relative_to(mount):
+            raise InvalidTrainerSpecError(
+                "checkpoint_mount_path",
+                path,
+                f"must not be {folder} ({what}), under it or above it: the claim mounted there "
+                "would hide what the trainer runs on; use a folder of its own such as "
+                "/checkpoints or /mnt/tracks",
+            )
+    return path
+
+
 def _label_map(field_name: str, labels: Mapping[str, str]) -> Mapping[str, str]:
     for key, value in labels.items():
         prefix, _, name = key.rpartition("/") if isinstance(key, str) else ("", "", key)
@@ -178,7 +264,11 @@ def _check_image(image: object) -> str:
 
 @dataclass(frozen=True)
 class NodeResources:
-    """What one node (one pod) of the job asks for."""
+    """What one node (one pod) of the job asks for, within bounds.
+
+    ``cpu`` more than 0 and at most 512 cores, ``memory`` from 128Mi to 4Ti, ``gpus`` from 0 to
+    16: past those a typo is likelier than a node, and the pods would wait for one forever.
+    """
 
     cpu: str = "4"
     memory: str = "16Gi"
@@ -186,10 +276,24 @@ class NodeResources:
     gpu_resource: str = "nvidia.com/gpu"
 
     def __post_init__(self) -> None:
-        _quantity("resources.cpu", self.cpu)
-        _quantity("resources.memory", self.memory)
-        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
-            raise InvalidTrainerSpecError("resources.gpus", self.gpus, "must be an integer >= 0")
+        cpu = _quantity_value(_quantity("resources.cpu", self.cpu))
+        if not 0 < cpu <= MAX_CPU:
+            raise InvalidTrainerSpecError(
+                "resources.cpu", self.cpu, f"must be more than 0 and at most {MAX_CPU} cores"
+            )
+        memory = _quantity_value(_quantity("resources.memory", self.memory))
+        if not _quantity_value(MIN_MEMORY) <= memory <= _quantity_value(MAX_MEMORY):
+            raise InvalidTrainerSpecError(
+                "resources.memory", self.memory, f"must be from {MIN_MEMORY} to {MAX_MEMORY}"
+            )
+        if (
+            isinstance(self.gpus, bool)
+            or not isinstance(self.gpus, int)
+            or not 0 <= self.gpus <= MAX_GPUS
+        ):
+            raise InvalidTrainerSpecError(
+                "resources.gpus", self.gpus, f"must be an integer from 0 to {MAX_GPUS}"
+            )
         prefix, _, name = self.gpu_resource.rpartition("/")
         if not prefix or not _DNS_SUBDOMAIN.match(prefix) or not _LABEL_NAME.match(name):
             raise InvalidTrainerSpecError(
@@ -222,6 +326,11 @@ class TrainerSpec:
     container command is the Tracks torchrun wrapper in front of them (:attr:`command`).
     Secrets go in ``secret_env`` as ``{VAR: (secret_name, key)}`` and render as
     ``valueFrom.secretKeyRef``; an inline ``env`` value that looks like a credential is refused.
+    ``nnodes`` is at most 1024 and ``nproc_per_node`` at most 64 (:class:`NodeResources` states
+    its own bounds). ``checkpoint_mount_path`` may not be ``/``, a system folder (``/etc``,
+    ``/usr``, ``/var``, …), the interpreter's folders (site-packages, ``/opt/conda``, the prefix
+    of an absolute ``python``, the image's ``/opt/tracks``) or the service-account token folder,
+    nor lie under or above one; ``/var/lib/tracks``, the image's ``TRACKS_HOME``, is allowed.
     """
 
     name: str
@@ -262,11 +371,7 @@ class TrainerSpec:
         object.__setattr__(self, "labels", _label_map("labels", self.labels))
         if self.checkpoint_pvc is not None:
             _subdomain("checkpoint_pvc", self.checkpoint_pvc)
-        path = self.checkpoint_mount_path
-        if not isinstance(path, str) or not path.startswith("/") or ".." in path.split("/"):
-            raise InvalidTrainerSpecError(
-                "checkpoint_mount_path", path, "must be an absolute path without '..'"
-            )
+        _mount_path(self.checkpoint_mount_path, self.python)
         if self.shm_size is not None:
             _quantity("shm_size", self.shm_size)
         if self.service_account is not None:
@@ -275,8 +380,8 @@ class TrainerSpec:
 
     def _check_counts(self) -> None:
         bounds = {
-            "nnodes": (self.nnodes, 1, 1024),
-            "nproc_per_node": (self.nproc_per_node, 1, 256),
+            "nnodes": (self.nnodes, 1, MAX_NNODES),
+            "nproc_per_node": (self.nproc_per_node, 1, MAX_NPROC_PER_NODE),
             "termination_grace_seconds": (self.termination_grace_seconds, 1, 86400),
             "master_port": (self.master_port, 1024, 65535),
         }
