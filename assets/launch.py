@@ -5,12 +5,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dagster._core.storage.tags import RUN_KEY_TAG, SCHEDULED_EXECUTION_TIME_TAG, TICK_ID_TAG
+
+from pipeline.launch_facts import RESUME_SENSOR_NAME
+
 # Set by Tracks' own launchers (`tracks demo`, `tracks canary`, the resume sensor) to name
 # themselves; Dagster sets the others.
 LAUNCHED_BY_TAG = "tracks/launched_by"
 # What Dagster's daemon launches leaves its own tags; a Tracks tag naming one of these without
 # them is a claim, not evidence.
 _DAEMON_LAUNCHERS = ("sensor:", "schedule:", "backfill:")
+# The resume sensor's name for the continuation a Dagster run is: "<run id>:attempt-<n>".
+CONTINUATION_TAG = "tracks/continuation"
+# The run and attempt a launch says it is (the resume sensor sets both); checked, not believed.
+_IDENTITY_TAGS = {"run_id": "tracks/run_id", "continuation": CONTINUATION_TAG}
+# What Dagster 1.13's daemon adds to the runs it launches: the sensor tick's id (sensors), the
+# scheduled execution time (schedules; a hidden tag) and the request's run key (both).
+_DAEMON_TAGS = {
+    "tick": TICK_ID_TAG,
+    "scheduled_for": SCHEDULED_EXECUTION_TIME_TAG,
+    "run_key": RUN_KEY_TAG,
+}
+# Set by the resume sensor: whose trainer config its continuation carries over.
+TRAINER_CONFIG_FROM_TAG = "tracks/trainer_config_from"
 
 
 def launched_by(tags: Mapping[str, str]) -> dict[str, Any]:
@@ -46,7 +63,41 @@ def launched_by(tags: Mapping[str, str]) -> dict[str, Any]:
     for key in ("user", "dagster/user", "tracks/continues_attempt", "tracks/rule"):
         if tags.get(key):
             found[key.removeprefix("dagster/").removeprefix("tracks/")] = _short(tags[key])
+    # Which run and attempt the tags say this is: kept to be checked against the ledger's
+    # attempt row (pipeline.launch_facts.contradicted_tags), never to choose the run.
+    tagged = {name: _short(tags[key]) for name, key in _IDENTITY_TAGS.items() if tags.get(key)}
+    if tagged:
+        found["tagged"] = tagged
+    if via.startswith(("sensor:", "schedule:")):
+        # Which tick or scheduled execution it was, where Dagster's daemon says.
+        for name, key in _DAEMON_TAGS.items():
+            if tags.get(key):
+                found[name] = _short(tags[key])
     return found
+
+
+def trainer_config_source(
+    tags: Mapping[str, str], run_config: Mapping[str, Any], dagster_run_id: str, via: str
+) -> dict[str, Any]:
+    """Where this launch's trainer config (backend, ranks, nodes) came from, for the receipt.
+
+    The resume sensor names its source in a tag (:data:`TRAINER_CONFIG_FROM_TAG`), believed
+    only on a run the sensor launched (``via``); otherwise it is this Dagster run's own
+    ``resources.trainer`` run config, or the deployment's trainer resource when it sets none.
+    """
+    claimed = tags.get(TRAINER_CONFIG_FROM_TAG, "")
+    if via == f"sensor:{RESUME_SENSOR_NAME}" and claimed:
+        kind, _, rest = claimed.partition(":")
+        if kind == "dagster_run" and rest:
+            return {"from": "dagster_run", "dagster_run_id": _short(rest)}
+        attempt = tags.get("tracks/continues_attempt", "")
+        if kind == "placement" and rest.isdigit() and attempt.isdigit():
+            return {"from": "placement", "attempt": int(attempt), "ranks": int(rest)}
+        if kind == "deployment":
+            return {"from": "deployment"}
+    if (run_config.get("resources") or {}).get("trainer"):
+        return {"from": "run_config", "dagster_run_id": dagster_run_id}
+    return {"from": "deployment"}
 
 
 def _daemon_launcher(tags: Mapping[str, str]) -> str | None:

@@ -1,6 +1,7 @@
 """``training_attempt`` runs the trainer through Pipes; ``committed_checkpoint`` verifies it."""
 
 import resource
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -8,7 +9,7 @@ import dagster as dg
 from dagster._core.errors import DagsterExecutionInterruptedError
 
 from assets.failures import step_failure
-from assets.launch import launched_by
+from assets.launch import CONTINUATION_TAG, launched_by, trainer_config_source
 from assets.lineage import upstream_metadata
 from assets.partitions import snapshot_partitions
 from pipeline import ids
@@ -70,8 +71,11 @@ class TrainingConfig(dg.Config):
 _RUN_IDENTITY_KEYS = ("snapshot_dir", "model_family")
 
 
-def _config_for_attempt(book: Any, config: TrainingConfig, snapshot: Any) -> dict[str, Any]:
-    """A new run's config from the run config; a continued run's from its last attempt."""
+def _config_for_attempt(
+    book: Any, config: TrainingConfig, snapshot: Any, run_id: str | None
+) -> dict[str, Any]:
+    """A new run's config from the run config; a continued run's (``run_id``) from its last
+    attempt."""
     from pipeline import yamlio
     from pipeline.states import Purpose
     from pipeline.trainer.config import ConfigError
@@ -82,9 +86,9 @@ def _config_for_attempt(book: Any, config: TrainingConfig, snapshot: Any) -> dic
             "purpose",
             f"{config.purpose!r} is not one of {', '.join(str(p) for p in Purpose)}",
         )
-    if not config.run_id:
+    if not run_id:
         return config.train_config_dict(snapshot.path)
-    run = book.get_run(ids.run_id(config.run_id))
+    run = book.get_run(ids.run_id(run_id))
     if run.snapshot_id != snapshot.snapshot_id:
         raise ConfigError(
             "run config of training_attempt",
@@ -117,6 +121,67 @@ def _config_for_attempt(book: Any, config: TrainingConfig, snapshot: Any) -> dic
         else:
             base[key] = value
     return base
+
+
+# How far up a chain of re-executions the ledger run is looked for (each re-execution that
+# opened no attempt, refused say, adds a link).
+_MAX_REEXECUTION_DEPTH = 50
+
+
+def _reexecuted_run(book: Any, instance: dg.DagsterInstance, tags: Mapping[str, str]) -> Any:
+    """For a re-execution ("Re-execute from failure" and the like): the newest attempt of the
+    nearest ancestor Dagster run that opened one, or None.
+
+    A re-execution copies its parent's run config, which for a new run names no run id: that
+    attempt's ledger run is the one to continue, under its retry policy, never a new run.
+    """
+    parent = tags.get("dagster/parent_run_id")
+    for _ in range(_MAX_REEXECUTION_DEPTH):
+        if not parent:
+            return None
+        opened = book.attempts_for_dagster_run(parent)
+        if opened:
+            return opened[-1]
+        run = instance.get_run_by_id(parent)
+        parent = run.tags.get("dagster/parent_run_id") if run is not None else None
+    return None
+
+
+def _how_to_continue(run_id: str, partition: str, last_config: Mapping[str, Any]) -> str:
+    """The launch that continues ``run_id`` once what the retry policy named is changed."""
+    batch = last_config.get("batch_size")
+    change = f"batch_size: {max(int(batch) // 2, 1)}" if isinstance(batch, int) else "KEY: VALUE"
+    return (
+        f"To continue run {run_id}, change what the decision names and launch training_attempt "
+        f"for partition {partition} from the Launchpad with run config `ops: {{training_attempt: "
+        f'{{config: {{run_id: {run_id}, overrides: "{change}"}}}}}}`; leave run_id out to '
+        "start a new run instead."
+    )
+
+
+def _tell_dagster(
+    context: dg.AssetExecutionContext, run_id: str, attempt_no: int, contradicted: str | None
+) -> None:
+    """Set the run tags Tracks owns to the ledger's facts, so the Dagster UI never shows this
+    run as part of another one whose tags were copied onto its launch."""
+    from pipeline.launch_facts import continuation_key
+
+    tags = {"tracks/run_id": run_id, "tracks/attempt": f"{run_id}#{attempt_no}"}
+    if contradicted:
+        claimed = context.run.tags
+        tags["tracks/tags_contradicted"] = contradicted[:1000]
+        if claimed.get(CONTINUATION_TAG):
+            tags[CONTINUATION_TAG] = (
+                continuation_key(run_id, attempt_no)
+                if attempt_no > 1
+                else f"none (new run {run_id})"
+            )
+        if claimed.get("tracks/continues_attempt"):
+            tags["tracks/continues_attempt"] = str(attempt_no - 1) if attempt_no > 1 else "none"
+    try:
+        context.instance.add_run_tags(context.run_id, tags)
+    except Exception as exc:  # the ledger holds the truth; a tag is a convenience
+        context.log.warning(f"run tags not set: {type(exc).__name__}: {exc}")
 
 
 def _messages(outcome: TrainerExit, event: str) -> list[dict[str, Any]]:
@@ -153,10 +218,12 @@ def training_attempt(
     from pipeline.data.gate import ensure_checks_passed
     from pipeline.data.snapshot import open_snapshot
     from pipeline.explain import explain
+    from pipeline.launch_facts import contradicted_tags
     from pipeline.ledger import LedgerError
     from pipeline.plots import loss_curve_markdown, table_markdown
     from pipeline.reasons import launcher_failed
     from pipeline.retry import RetryPolicyError, load_retry_policy
+    from pipeline.tracking import mirror_attempt
     from pipeline.trainer.config import ConfigError, TrainConfig
 
     book = ledger.ledger()
@@ -172,12 +239,27 @@ def training_attempt(
     try:
         # A bad backend, rank count or Kubernetes field (an inline credential included) is
         # refused before an attempt is opened.
-        trainer.world(PreparedAttempt.trainer_env(book.url, mlflow.tracking_uri))
+        backend, ranks = trainer.world(PreparedAttempt.trainer_env(book.url, mlflow.tracking_uri))
     except ValueError as exc:
         raise step_failure(str(exc), exc) from None
+    tags = context.run.tags
+    launch = launched_by(tags)
+    launch["trainer_config"] = trainer_config_source(
+        tags, context.run.run_config, context.run_id, launch["via"]
+    )
+    run_id = config.run_id
+    reexecuted = None if run_id else _reexecuted_run(book, context.instance, tags)
+    if reexecuted is not None:
+        run_id = reexecuted.run_id
+        context.log.info(
+            f"re-execution of Dagster run {tags['dagster/parent_run_id']}: continuing run "
+            f"{run_id} (its attempt {reexecuted.attempt_no} ran in Dagster run "
+            f"{reexecuted.dagster_run_id}) under its retry policy, not starting a new run"
+        )
     try:
         train_config = TrainConfig.from_dict(
-            _config_for_attempt(book, config, snapshot), source="run config of training_attempt"
+            _config_for_attempt(book, config, snapshot, run_id),
+            source="run config of training_attempt",
         )
         if Path(train_config.snapshot_dir) != snapshot.path.resolve():
             # The gate above passed this partition's snapshot, and the receipt names it.
@@ -192,19 +274,38 @@ def training_attempt(
             snapshot=snapshot,
             train_config=train_config,
             work_root=storage.work_dir(),
-            run_id=config.run_id,
+            run_id=run_id,
             owner=config.owner,
             purpose=config.purpose,
             retry_policy=policy,
             dagster_run_id=context.run_id,
-            launched_by=launched_by(context.run.tags),
+            launched_by=launch,
         )
     except ids.InvalidIdError as exc:  # model_family or run_id
         raise step_failure(f"run config of training_attempt: {exc}", exc) from None
-    except (ConfigError, RetryPolicyError, AttemptRefusedError, LedgerError) as exc:
+    except AttemptRefusedError as exc:
+        said = str(exc)
+        if reexecuted is not None:
+            said = (
+                f"Re-executing Dagster run {tags['dagster/parent_run_id']} continues run "
+                f"{exc.run_id} (its attempt {reexecuted.attempt_no} ran in Dagster run "
+                f"{reexecuted.dagster_run_id}), and the retry policy refuses it: {said}"
+            )
+        last = book.latest_attempt(exc.run_id)
+        how = _how_to_continue(exc.run_id, context.partition_key, last.config_snapshot or {})
+        raise step_failure(f"{said}. {how}", exc) from None
+    except (ConfigError, RetryPolicyError, LedgerError) as exc:
         raise step_failure(str(exc), exc) from None
 
     run, attempt = prepared.run, prepared.attempt
+    # How it was launched, before the trainer starts (and merges what only it knows).
+    book.merge_placement(
+        run.run_id, attempt.attempt_no, {"backend": backend.value, "launched_ranks": ranks}
+    )
+    contradicted = contradicted_tags(launch, run.run_id, attempt.attempt_no)
+    if contradicted:
+        context.log.warning(contradicted)
+    _tell_dagster(context, run.run_id, attempt.attempt_no, contradicted)
     context.log.info(
         f"attempt {attempt.key} starts"
         + (
@@ -221,7 +322,11 @@ def training_attempt(
         _, outcome = trainer.launch(
             context,
             prepared.trainer_args(storage.checkpoints()),
-            env=prepared.trainer_env(book.url, mlflow.tracking_uri, mlflow.artifact_root),
+            # DAGSTER_RUN_ID: the trainer tags its MLflow attempt with the Dagster run.
+            env={
+                **prepared.trainer_env(book.url, mlflow.tracking_uri, mlflow.artifact_root),
+                "DAGSTER_RUN_ID": context.run_id,
+            },
             extras={"run_id": run.run_id, "attempt_no": attempt.attempt_no},
             # torchrun: each rank's outcome, and the output of ranks other than 0, kept here.
             log_dir=str(storage.work_dir("ranks", run.run_id, f"attempt-{attempt.attempt_no}")),
@@ -249,6 +354,12 @@ def training_attempt(
             observed=observed,
             placement=outcome.placement if outcome else None,
         )
+        # MLflow says what the ledger now says: the reason, the Dagster run, no RUNNING left.
+        unmirrored = mirror_attempt(
+            book, run.run_id, attempt.attempt_no, tracking_uri=mlflow.tracking_uri
+        )
+        if unmirrored:
+            context.log.warning(unmirrored)
 
     story = dg.MetadataValue.md(explain(book, attempt.key))
     metadata: dict[str, Any] = {
@@ -259,6 +370,8 @@ def training_attempt(
         "retry_decision": dg.MetadataValue.json(finished.decision.to_json()),
         "explain": story,
     }
+    if contradicted:
+        metadata["tags_contradicted"] = dg.MetadataValue.text(contradicted)
     if not finished.succeeded:
         decision = finished.decision
         description = (

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from pipeline import ids
+from pipeline import ids, redact
 from pipeline.checkpoint import layout
 from pipeline.data.snapshot import Snapshot
 from pipeline.environment import code_commit, container_digest, placement
@@ -42,6 +42,7 @@ from pipeline.retry import (
     record_decision,
 )
 from pipeline.states import Purpose, RunStatus, TerminationReason
+from pipeline.trainer import exit_codes
 from pipeline.trainer.config import TrainConfig
 
 
@@ -238,9 +239,10 @@ def accelerators_held(placement: dict[str, Any]) -> int:
 def step_reached(ledger: Ledger, attempt: AttemptRecord, said: int | None = None) -> int | None:
     """The furthest step this attempt itself is known to have reached.
 
-    Evidence of this attempt only: the checkpoints it committed, the step it restored, and
-    ``said`` (its own last words). Another attempt's checkpoint proves nothing about this one:
-    a retry that started fresh after an OOM never reached the step its predecessor committed.
+    Evidence of this attempt only: the checkpoints it committed, the step it restored, the
+    step its own heartbeats carried, and ``said`` (its own last words). Another attempt's
+    checkpoint proves nothing about this one: a retry that started fresh after an OOM never
+    reached the step its predecessor committed.
     """
     fresh = ledger.get_attempt(attempt.run_id, attempt.attempt_no)
     own = [
@@ -248,38 +250,104 @@ def step_reached(ledger: Ledger, attempt: AttemptRecord, said: int | None = None
         for c in ledger.checkpoints(attempt.run_id)
         if c.attempt_no == attempt.attempt_no and c.committed_at is not None
     ]
-    steps = [*own, fresh.restored_step, said]
+    steps = [*own, fresh.restored_step, fresh.last_step, said]
     return max((s for s in steps if s is not None), default=None)
 
 
-def _first_failed_rank(store: Path, run_id: str, attempt_no: int) -> dict[str, Any] | None:
-    """The launcher's record of the rank that failed first (distributed attempts only)."""
-    from pipeline.distributed.launch import ranks_summary_path
+def newer_attempt(ledger: Ledger, attempt: AttemptRecord) -> dict[str, Any] | None:
+    """The attempt that holds the run's fencing token now, if a newer one took it from ``attempt``.
 
-    summary = read_last_words(ranks_summary_path(store, run_id, attempt_no))
-    first = summary.get("first_failure") if summary else None
-    return first if isinstance(first, dict) else None
+    ``{"attempt_no": …, "via": …}``: who took the run over and how it was launched, for the
+    sentence of an attempt that was fenced out.
+    """
+    run = ledger.get_run(attempt.run_id)
+    if run.fencing_token <= attempt.fencing_token:
+        return None
+    holder = next(
+        (a for a in ledger.attempts(attempt.run_id) if a.fencing_token == run.fencing_token), None
+    )
+    if holder is None:
+        return None
+    return {"attempt_no": holder.attempt_no, "via": (holder.launched_by or {}).get("via")}
+
+
+def fenced_detail(ledger: Ledger, run_id: str, attempt_no: int, step: int | None) -> str:
+    """The sentence of a self-owned attempt fenced out at ``step``: who took the run over."""
+    attempt = ledger.get_attempt(run_id, attempt_no)
+    latest = ledger.latest_committed_checkpoint(run_id)
+    return classify(
+        AttemptEvidence(
+            exit_code=exit_codes.FENCED,
+            last_words={"reason": str(TerminationReason.FENCED), "step": step},
+            last_committed_step=latest.step if latest else None,
+            newer_attempt=newer_attempt(ledger, attempt),
+        )
+    ).detail
+
+
+def _rank_phrase(count: int, world_size: Any) -> str:
+    if count != world_size:
+        return f"all {count} ranks on this node"
+    return "both ranks" if count == 2 else f"all {count} ranks"
 
 
 @dataclass(frozen=True)
 class StoredEvidence:
-    """What the attempt's processes left in the store: last words and the ranks' verdict."""
+    """What the attempt's processes left in the store: last words and the ranks' endings.
+
+    The ranks' part comes from the launcher's summary (``attempt-N.ranks.json``): every rank's
+    ending with its signal, the rank that failed first when the evidence orders them, the
+    ranks a peer's failure ended (collateral), or how they all stopped together.
+    """
 
     words: dict[str, Any] | None  # the story's words: the first failed rank's, else rank 0's
-    signal: str | None  # the signal the trainer said it received
+    signal: str | None  # the signal the story's rank received (its words, else the launcher's)
     reached: int | None  # the furthest step any rank said it reached
     first_failure: dict[str, Any] | None  # the launcher's first failed rank (distributed)
+    ranks: tuple[dict[str, Any], ...] = ()  # every rank's ending, as the summary holds it
+    together: dict[str, Any] | None = None  # every rank ended alike: no rank failed first
+    unordered: tuple[int, ...] = ()  # ranks that failed on their own, too close to order
 
     def told(self, termination: Termination) -> Termination:
-        """``termination`` with the rank that failed first named, when the launcher saw one."""
-        first = self.first_failure
-        if first is None:
+        """``termination`` with what the ranks did: who failed first, or that none did."""
+        said = [termination.detail]
+        first, together = self.first_failure, self.together
+        if first is not None:
+            said.append(f"Rank {first.get('rank')} failed first: {_clause(first.get('detail'))}.")
+        elif together is not None:
+            said.append(_together_sentence(together))
+        elif self.unordered:
+            listed = ", ".join(str(r) for r in self.unordered[:-1])
+            said.append(
+                f"Ranks {listed} and {self.unordered[-1]} failed on their own too close together "
+                "for their exit times to say which came first."
+            )
+        for rank in self.ranks:
+            if rank.get("collateral"):
+                said.append(
+                    f"Rank {rank.get('rank')} was collateral, ended by a peer's failure "
+                    f"(exit {rank.get('exit_code')}): {_clause(rank.get('detail'))}."
+                )
+        if len(said) == 1:
             return termination
-        return replace(
-            termination,
-            detail=f"{termination.detail} Rank {first.get('rank')} failed first: "
-            f"{str(first.get('detail')).rstrip('.')}.",
-        )
+        return replace(termination, detail=" ".join(said))
+
+
+def _clause(text: Any) -> str:
+    # A rank's words inside the attempt's sentence: one line, no password, a bounded length.
+    return redact.one_line(str(text or "no words"))[:300].rstrip(".")
+
+
+def _together_sentence(together: dict[str, Any]) -> str:
+    ranks = _rank_phrase(int(together.get("ranks") or 0), together.get("world_size"))
+    step = together.get("step")
+    at = f" at step {step}" if isinstance(step, int) else ""
+    signal = together.get("signal")
+    if signal and together.get("killed"):
+        return f"The signal reached every rank: {ranks} were killed by {signal}{at}."
+    if signal:
+        return f"The signal reached every rank: {ranks} stopped on {signal}{at}."
+    return f"Every rank ended alike: {ranks} exited {together.get('exit_code')}{at}."
 
 
 def stored_evidence(
@@ -287,25 +355,44 @@ def stored_evidence(
 ) -> StoredEvidence:
     """Read the attempt's last words and the launcher's ranks summary from the store.
 
-    ``first_failure`` may be given by a launcher that decided it itself (it is also what the
-    summary on disk holds).
+    ``first_failure`` may be given by a launcher that decided it itself (the summary on disk,
+    when there is one, holds the same rank with its signal).
     """
+    from pipeline.distributed.launch import ranks_summary_path
     from pipeline.trainer.attempt import last_words_path
 
     words = rank0_words = read_last_words(last_words_path(store, run_id, attempt_no))
-    first = first_failure or _first_failed_rank(store, run_id, attempt_no)
+    summary = read_last_words(ranks_summary_path(store, run_id, attempt_no)) or {}
+    first = summary.get("first_failure")
+    first = first if isinstance(first, dict) else first_failure
+    ranks = tuple(r for r in summary.get("ranks") or () if isinstance(r, dict))
+    together = summary.get("together") if isinstance(summary.get("together"), dict) else None
+    unordered = tuple(r for r in summary.get("unordered") or () if isinstance(r, int))
     if first is not None and first.get("rank"):
         # Rank 0's last words describe what it saw (a peer gone); the rank that failed first
         # is the story, with its own last words when it left any (a SIGKILL leaves none).
         words = read_last_words(last_words_path(store, run_id, attempt_no, rank=int(first["rank"])))
     # A trainer that caught SIGTERM exits 75 on its own, so the process shows no signal, but its
     # last words name the one it received (the story's words only: rank 0's SIGTERM from the
-    # agent is not why a SIGKILLed peer's attempt ended). They also name the step it reached
-    # (the ranks step together: the furthest any of them says it got is the attempt's).
-    signal_name = _words_field(words, "signal", str)
-    steps = [_words_field(w, "step", int) for w in (words, rank0_words)]
+    # agent is not why a SIGKILLed peer's attempt ended). Else the launcher's record of the
+    # story's rank says it (a rank killed outright leaves no words), or of every rank at once.
+    signal_name = (
+        _words_field(words, "signal", str)
+        or _words_field(first, "signal", str)
+        or _words_field(together, "signal", str)
+    )
+    # The ranks step together: the furthest any of them says it got is the attempt's.
+    steps = [_words_field(w, "step", int) for w in (words, rank0_words, *ranks)]
     reached = max((s for s in steps if s is not None), default=None)
-    return StoredEvidence(words=words, signal=signal_name, reached=reached, first_failure=first)
+    return StoredEvidence(
+        words=words,
+        signal=signal_name,
+        reached=reached,
+        first_failure=first,
+        ranks=ranks,
+        together=together,
+        unordered=unordered,
+    )
 
 
 def end_self_owned_attempt(
@@ -331,9 +418,8 @@ def end_self_owned_attempt(
         return None
     found = stored_evidence(store, run_id, attempt_no, first_failure)
     latest = ledger.latest_committed_checkpoint(run_id)
-    steps = [s for s in (latest.step if latest else None, found.reached, reached) if s is not None]
-    # The classifier is told the run's newest commit (what a next attempt resumes from); the
-    # receipt's step reached counts this attempt's own evidence only.
+    # The classifier is told the run's newest commit (what a next attempt resumes from) and,
+    # apart, the step reached, which counts this attempt's own evidence only.
     said = max((s for s in (found.reached, reached) if s is not None), default=None)
     last_step = step_reached(ledger, attempt, said)
     termination = found.told(
@@ -343,11 +429,13 @@ def end_self_owned_attempt(
                 exit_code=exit_code,
                 signal_name=found.signal,
                 last_words=found.words,
-                last_committed_step=max(steps, default=None),
+                last_committed_step=latest.step if latest else None,
+                step_reached=last_step,
+                newer_attempt=newer_attempt(ledger, attempt),
             )
         )
     )
-    return ledger.end_attempt(
+    ended = ledger.end_attempt(
         run_id,
         attempt_no,
         termination_reason=termination.reason,
@@ -358,6 +446,10 @@ def end_self_owned_attempt(
         cpu_seconds=cpu_seconds,
         last_step=last_step,
     )
+    from pipeline.tracking import mirror_in_trainer_env
+
+    mirror_in_trainer_env(ledger, run_id, attempt_no)  # MLflow's run follows the ledger
+    return ended
 
 
 def finish_attempt(
@@ -381,16 +473,15 @@ def finish_attempt(
     """
     run_id, attempt_no = prepared.run.run_id, prepared.attempt.attempt_no
     latest = ledger.latest_committed_checkpoint(run_id)
-    last_step = latest.step if latest else None
-    # Evidence first: the process's own signal, else the one the trainer's last words name.
+    last_step = latest.step if latest else None  # committed, never merely reached
+    # Evidence first: the process's own signal, else the one its ranks' records name.
     found = stored_evidence(store, run_id, attempt_no)
     words = found.words
     signal_name = signal_name or found.signal
-    if found.reached is not None and (last_step is None or found.reached > last_step):
-        last_step = found.reached
-    # The classifier hears about the run's newest commit; the receipt's "reached step" only
-    # about what this attempt wrote, restored or said.
+    # The classifier hears about the run's newest commit and, apart, the step this attempt
+    # reached: what it wrote, restored or said.
     reached = step_reached(ledger, prepared.attempt, found.reached)
+    newer = newer_attempt(ledger, prepared.attempt)
     wall = (datetime.now(UTC) - prepared.attempt.started_at).total_seconds()
     if observed is None:
         termination = classify_exit(
@@ -402,6 +493,8 @@ def finish_attempt(
             cgroup_oom_kills=oom_kills_since(prepared.oom_kills_before),
             wall_seconds=wall,
             max_wall_seconds=prepared.train_config.max_wall_seconds,
+            step_reached=reached,
+            newer_attempt=newer,
         )
     else:
         # The trainer ran elsewhere: this process's cgroup says nothing about its memory.
@@ -414,6 +507,8 @@ def finish_attempt(
                 last_committed_step=last_step,
                 wall_seconds=wall,
                 max_wall_seconds=prepared.train_config.max_wall_seconds,
+                step_reached=reached,
+                newer_attempt=newer,
             ),
         )
     termination = found.told(termination)

@@ -41,13 +41,19 @@ def _ledger(settings: TracksSettings):
     from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
     from pipeline.ledger import Ledger
+    from pipeline.settings import DatabaseUrlError
 
+    shown = redact.database_url(settings.ledger_url)
     try:
         return Ledger.open(settings.ledger_url)
+    except DatabaseUrlError as exc:
+        raise click.ClickException(
+            f"cannot open the ledger at {shown} (TRACKS_LEDGER_URL): {exc.problem}"
+        ) from None
     except (ArgumentError, NoSuchModuleError, DBAPIError) as exc:
         # SQLAlchemy's own words name neither the variable nor the database.
         raise click.ClickException(
-            f"cannot open the ledger at {redact.url(settings.ledger_url)} (TRACKS_LEDGER_URL): "
+            f"cannot open the ledger at {shown} (TRACKS_LEDGER_URL): "
             + _one_line(getattr(exc, "orig", None) or exc)
         ) from None
 
@@ -318,6 +324,21 @@ def explain_cmd(target: str, output: Path | None) -> None:
     click.echo(page, nl=False)
 
 
+@main.command("diff")
+@click.argument("left", type=RUN_ID)
+@click.argument("right", type=RUN_ID)
+def diff_cmd(left: str, right: str) -> None:
+    """Two runs side by side: config key by key, data, placement, evaluations (Markdown)."""
+    from pipeline.diff import diff_runs
+    from pipeline.ledger import LedgerError
+
+    try:
+        page = diff_runs(_ledger(_settings()), left, right)
+    except LedgerError as exc:
+        raise click.ClickException(_one_line(exc)) from None
+    click.echo(page, nl=False)
+
+
 def _reason_choices() -> list[str]:
     from pipeline.states import TerminationReason
 
@@ -378,10 +399,14 @@ def attempts_cmd(
 @click.option("--family", required=True, type=FAMILY, help="Model family.")
 @click.option("--days", default=7.0, show_default=True, type=DAYS, help="Started within DAYS.")
 def cost_cmd(family: str, days: float) -> None:
-    """Attempts, GPU- and CPU-hours per termination reason: where did the time go?"""
+    """Attempts, GPU- and CPU-hours per termination reason: where did the time go?
+
+    Then the steps lost per reason (trained past each attempt's own last commit), if any.
+    """
     from datetime import UTC, datetime, timedelta
 
-    rows = _ledger(_settings()).cost_by_reason(family, days)
+    ledger = _ledger(_settings())
+    rows = ledger.cost_by_reason(family, days)
     window = f"started in the last {days:g} day(s)"
     _echo_blocked_snapshots(datetime.now(UTC) - timedelta(days=days))
     if not rows:
@@ -398,6 +423,12 @@ def cost_cmd(family: str, days: float) -> None:
     total_hours = sum(r.gpu_hours for r in rows)
     total_cpu = sum(r.cpu_hours for r in rows)
     click.echo(f"{'total':<18}  {total_attempts:>9,}  {total_hours:>12,.2f}  {total_cpu:>10,.3f}")
+    lost = ledger.cost_by_reason_lost_steps(family, days)
+    if lost:
+        # Steps an attempt trained past its own last commit: nobody resumes from them.
+        most = sorted(lost.items(), key=lambda kv: (-kv[1], str(kv[0])))
+        said = ", ".join(f"{reason} {steps:,}" for reason, steps in most)
+        click.echo(f"steps lost past each attempt's last own commit: {said}")
 
 
 def _echo_blocked_snapshots(since: Any) -> None:
@@ -416,7 +447,7 @@ def ledger_upgrade() -> None:
     """Bring the ledger schema to the newest migration."""
     settings = _settings()
     _ledger(settings)
-    click.echo(f"ledger at {redact.url(settings.ledger_url)} is up to date")
+    click.echo(f"ledger at {redact.database_url(settings.ledger_url)} is up to date")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pipeline.retry import (
     record_decision,
 )
 from pipeline.states import RunStatus, TerminationReason
+from pipeline.tracking import mirror_attempt
 
 CONTINUING_ACTIONS = (RetryAction.RESUME, RetryAction.RETRY, RetryAction.ROLLBACK)
 
@@ -93,11 +94,15 @@ def expire_silent_attempts(
     *,
     now: datetime | None = None,
     checkpoint_root: Path | None = None,
+    tracking_uri: str | None = None,
+    on_warning: Callable[[str], None] | None = None,
 ) -> list[AttemptRecord]:
     """Close attempts that are alive on paper but silent past the timeout (node lost).
 
     Each is classified from what remains (heartbeat age, last committed checkpoint) and gets
-    its retry decision, exactly like an attempt whose process exit was seen.
+    its retry decision, exactly like an attempt whose process exit was seen. With
+    ``tracking_uri``, the run's MLflow run is told too (it would otherwise stay RUNNING);
+    what MLflow refused goes to ``on_warning``.
     """
     now = now or datetime.now(UTC)
     closed = []
@@ -149,6 +154,11 @@ def expire_silent_attempts(
         record_decision(ledger, ended, decision)
         if not decision.continues:
             ledger.set_run_status(run.run_id, RunStatus.FAILED)
+        unmirrored = mirror_attempt(
+            ledger, attempt.run_id, attempt.attempt_no, tracking_uri=tracking_uri
+        )
+        if unmirrored and on_warning is not None:
+            on_warning(unmirrored)
         closed.append(ledger.get_attempt(attempt.run_id, attempt.attempt_no))
     return closed
 

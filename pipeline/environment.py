@@ -7,6 +7,7 @@ import os
 import platform
 import socket
 import subprocess
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,10 @@ def code_commit(repo: str | Path | None = None) -> str | None:
 
 
 def placement(world_size: int = 1) -> dict[str, Any]:
-    """Host, pod and node (Kubernetes downward API when present), accelerators and versions."""
+    """Host, pod and node (Kubernetes downward API when present), accelerators and versions.
+
+    The drill hooks set in this process's environment are recorded too (``fault_hooks``).
+    """
     import torch
 
     cuda = torch.cuda.is_available()
@@ -82,7 +86,21 @@ def placement(world_size: int = 1) -> dict[str, Any]:
         "python_version": platform.python_version(),
         "world_size": world_size,
         "cpu_count": os.cpu_count(),
+        "fault_hooks": fault_hooks(),
     }
+
+
+FAULT_HOOK_PREFIX = "TRACKS_FAULT_"
+
+
+def fault_hooks(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The drill hooks (``TRACKS_FAULT_*``) set in this process's environment, by name.
+
+    Recorded with the attempt's placement: a receipt of a drilled attempt says so, since the
+    hooks pause, slow or break the trainer on purpose.
+    """
+    env = os.environ if env is None else env
+    return {name: env[name] for name in sorted(env) if name.startswith(FAULT_HOOK_PREFIX)}
 
 
 def _first_env(*names: str) -> str | None:

@@ -1,9 +1,11 @@
 """``tracks explain``: the whole story of a run or attempt on one page of Markdown.
 
 The same page is attached to the attempt's materialization in the Dagster UI. Sections, in
-order: a summary, what was tried, the data snapshot, where it ran, the checkpoint lineage, the
-attempts and retries (reason, decision, rule, budget left), evaluation and promotion. Naming an
-attempt (``RUN#N``) highlights it and adds its full receipt.
+order: a summary, what was tried, the data snapshot (with every check verdict), where it ran
+(and why the placement changed between attempts), the checkpoint lineage, the attempts and
+retries (reason, decision, rule, budget left, who launched each and from which tags), evaluation,
+promotion and the model's champions. Naming an attempt (``RUN#N``) highlights it and adds its
+full receipt.
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ from itertools import pairwise
 from typing import Any
 
 from pipeline import ids, redact
+from pipeline.launch_facts import (
+    contradicted_tags,
+    fault_hooks_words,
+    placement_change_sentence,
+    trainer_source_words,
+)
 from pipeline.ledger import (
     AttemptRecord,
     CheckpointRecord,
@@ -22,9 +30,11 @@ from pipeline.ledger import (
     Ledger,
     PromotionRecord,
     RunRecord,
+    SnapshotCheckRecord,
     UnknownSnapshotError,
 )
 from pipeline.retry import config_changes
+from pipeline.states import PromotionDecision
 
 _STATE_WORDS = {
     "committed": "committed",
@@ -219,6 +229,9 @@ def _snapshot_facts(ledger: Ledger, snapshot_id: str, run_id: str | None = None)
     except UnknownSnapshotError:
         return ["(The ledger has no record of this snapshot's checks.)"]
     out = [f"Blocking checks: **{snap.verdict}** for manifest `{snap.manifest_sha256[:16]}`."]
+    history = ledger.snapshot_check_history(snapshot_id)
+    if history:
+        out.append(f"Check history (oldest first): {_check_history_words(history)}.")
     twins = [
         s
         for s in (ledger.snapshots_with_content(snap.content_sha256) if snap.content_sha256 else [])
@@ -232,6 +245,31 @@ def _snapshot_facts(ledger: Ledger, snapshot_id: str, run_id: str | None = None)
         out.append(
             f"Its data is **byte-identical** to snapshot `{twin.snapshot_id}` (same file bytes "
             f"in the same order, other file names){used}."
+        )
+    return out
+
+
+def _check_history_words(history: Sequence[SnapshotCheckRecord]) -> str:
+    """One clause per check evaluation: when, which check, its verdict."""
+    return "; ".join(
+        f"{_when(c.checked_at)} {c.check_name} {'passed' if c.passed else 'failed'}"
+        + ("" if c.blocking else " (warns)")
+        for c in history
+    )
+
+
+def _check_history_table(history: Sequence[SnapshotCheckRecord], manifest: str) -> list[str]:
+    out = [
+        "| checked | check | result | manifest | Dagster run | what it found |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in history:
+        summary = (c.detail or {}).get("summary", "")
+        other = "" if c.manifest_sha256 == manifest else " (another manifest)"
+        out.append(
+            f"| {_when(c.checked_at)} | {c.check_name} | "
+            f"{'passed' if c.passed else '**failed**'} | `{c.manifest_sha256[:12]}`{other} | "
+            f"{_cell(c.dagster_run_id)} | {_cell(summary)} |"
         )
     return out
 
@@ -256,6 +294,13 @@ def render_snapshot(ledger: Ledger, snapshot_id: str) -> str:
                 f"| {c.check_name} | {'yes' if c.blocking else 'no (warns)'} | "
                 f"{'passed' if c.passed else '**failed**'} | {_cell(summary)} |"
             )
+    history = ledger.snapshot_check_history(snapshot_id)
+    out += ["", "## Check history", ""]
+    if history:
+        out.append(f"Every evaluation of a check on this snapshot, oldest first ({len(history)}):")
+        out += ["", *_check_history_table(history, snap.manifest_sha256)]
+    else:
+        out.append("No check evaluation is recorded.")
     runs = ledger.find_runs(snapshot_id=snapshot_id)
     out += ["", "## Runs", ""]
     if runs:
@@ -295,6 +340,14 @@ def _placement(attempts: Sequence[AttemptRecord], focus: int | None) -> list[str
             f"{_cell(p.get('cuda_version') or 'none')} | {_cell(_ranks_words(p))} | "
             f"`{_cell(a.container_digest[:32])}` |"
         )
+    changed = [
+        sentence
+        for previous, current in pairwise(attempts)
+        if (sentence := placement_change_sentence(previous, current, attempts))
+    ]
+    if changed:
+        out += ["", "The placement changed between attempts:", ""]
+        out += [f"- {sentence}" for sentence in changed]
     return [*out, ""]
 
 
@@ -388,7 +441,7 @@ def _clock_words(a: AttemptRecord) -> str:
     return "; ".join(words)
 
 
-def _launch_words(a: AttemptRecord) -> str:
+def _launch_words(a: AttemptRecord, attempts: Sequence[AttemptRecord] = ()) -> str:
     launched = a.launched_by or {}
     admission = a.admission or {}
     out = []
@@ -397,9 +450,21 @@ def _launch_words(a: AttemptRecord) -> str:
         extra = [f"user {launched['user']}"] if launched.get("user") else []
         if launched.get("claimed"):
             extra.append(f"its tags claimed {launched['claimed']}")
+        # Which sensor tick or scheduled execution, where Dagster's daemon recorded it.
+        for key, words in (("tick", "tick"), ("scheduled_for", "scheduled for")):
+            if launched.get(key):
+                extra.append(f"{words} {launched[key]}")
+        if launched.get("run_key"):
+            extra.append(f"run key `{launched['run_key']}`")
         if launched.get("dagster_run_id"):
             extra.append(f"Dagster run {launched['dagster_run_id']}")
         out.append(f"Launched by **{who}**" + (f" ({', '.join(extra)})" if extra else "") + ".")
+        if contradicted := contradicted_tags(launched, a.run_id, a.attempt_no):
+            out.append(f"**{contradicted}**")
+        if launched.get("trainer_config"):
+            out.append(f"Trainer config: {trainer_source_words(launched, attempts)}.")
+    if hooks := fault_hooks_words(a.placement):
+        out.append(f"**{hooks[0].upper()}{hooks[1:]}.**")
     if admission:
         after = admission.get("after_decision")
         sentence = f"Admitted by rule `{admission.get('rule', '—')}`"
@@ -444,7 +509,7 @@ def _attempts(
         )
         detail = a.termination_detail or "no detail recorded"
         line = f"- {lead} — **{reason}** ({exit_words}): {detail}"
-        if launch := _launch_words(a):
+        if launch := _launch_words(a, attempts):
             line += f" {launch}"
         decision = a.retry_decision
         if decision:
@@ -479,7 +544,7 @@ def _attempts(
     return [*out, ""]
 
 
-def _focus_receipt(a: AttemptRecord) -> list[str]:
+def _focus_receipt(a: AttemptRecord, attempts: Sequence[AttemptRecord] = ()) -> list[str]:
     decision = a.retry_decision or {}
     return [
         f"## Attempt {a.attempt_no} in detail",
@@ -492,7 +557,7 @@ def _focus_receipt(a: AttemptRecord) -> list[str]:
         f"- **Exit**: code {_or_dash(a.exit_code)}, signal {_or_dash(a.signal)}; "
         f"reached step {_or_dash(a.last_step)}, restored step {_or_dash(a.restored_step)}; "
         f"fencing token {a.fencing_token}",
-        f"- **Launched**: {_launch_words(a) or 'not recorded'}",
+        f"- **Launched**: {_launch_words(a, attempts) or 'not recorded'}",
         f"- **Resumed from**: {a.resumed_from_checkpoint or f'nothing ({_unresumed_words(a)})'}",
         f"- **Config** sha256 `{a.config_sha256}`; data manifest `{a.data_manifest_sha256}`; "
         f"container `{a.container_digest}`; code {a.code_commit or 'unknown'}",
@@ -568,7 +633,71 @@ def _promotions(promotions: Sequence[PromotionRecord]) -> list[str]:
             f"- {_when(p.decided_at)}: **{p.decision}**{version}{champion} for checkpoint "
             f"`{_short(p.checkpoint_path)}` of attempt {p.attempt_no} — {p.reason}"
         )
+        out += _headline(p)
     return [*out, ""]
+
+
+def _headline(p: PromotionRecord) -> list[str]:
+    # Rows decided before the headline comparison existed hold none: nothing is claimed then.
+    from pipeline.promotion.comparison import headline_sentence
+
+    gate = p.gate or {}
+    if "headline_comparison" not in gate:
+        return []
+    headline = gate["headline_comparison"]
+    if headline is None:
+        return ["  - Headline: no champion to compare against."]
+    champion = gate.get("champion_version")
+    who = f"champion version {champion}" if champion else "the champion"
+    sentence = headline_sentence(headline, who)
+    # A refusal or pass for the headline already quotes it in full: say it once.
+    lines = [] if sentence in p.reason else [f"  - Headline: {sentence}."]
+    again = gate.get("champion_reevaluation")
+    if again and again.get("evaluated"):
+        lines.append(
+            f"  - The champion was evaluated on this task set for the comparison: evaluation "
+            f"`{again['evaluation_id']}`."
+        )
+    return lines
+
+
+def _model_history(
+    ledger: Ledger, run: RunRecord, promotions: Sequence[PromotionRecord]
+) -> list[str]:
+    """For each model this run was put forward for: its champions in order, who dethroned whom
+    and when, and who is champion now (the ledger's promotion records)."""
+    out = ["## Model history", ""]
+    names = sorted({p.model_name for p in promotions})
+    if not names:
+        return [*out, "No promotion decision names a model for this run yet.", ""]
+    for name in names:
+        crowned = ledger.promotions(model_name=name, decision=PromotionDecision.PROMOTED)[::-1]
+        if not crowned:
+            out += [f"`{name}` has had no champion yet.", ""]
+            continue
+        now = crowned[-1]
+        mine = " (this run)" if now.run_id == run.run_id else ""
+        out += [
+            f"Champion of `{name}` now: **version {now.model_version}** from run "
+            f"`{now.run_id}`{mine}, attempt {now.attempt_no}, since {_when(now.decided_at)}.",
+            "",
+            "| crowned | version | run | attempt | dethroned |",
+            "|---|---|---|---:|---|",
+        ]
+        for held, successor in zip(crowned, [*crowned[1:], None], strict=True):
+            dethroned = (
+                f"by version {successor.model_version} (run `{successor.run_id}`) on "
+                f"{_when(successor.decided_at)}"
+                if successor is not None
+                else "champion now"
+            )
+            out.append(
+                f"| {_when(held.decided_at)} | {held.model_version} | `{held.run_id}`"
+                f"{' (this run)' if held.run_id == run.run_id else ''} | {held.attempt_no} | "
+                f"{dethroned} |"
+            )
+        out.append("")
+    return out
 
 
 def render_run(ledger: Ledger, run: RunRecord, focus_attempt: int | None = None) -> str:
@@ -587,9 +716,10 @@ def render_run(ledger: Ledger, run: RunRecord, focus_attempt: int | None = None)
     out += _lineage(attempts, checkpoints, focus_attempt)
     out += _attempts(attempts, checkpoints, focus_attempt)
     if focus is not None:
-        out += _focus_receipt(focus)
+        out += _focus_receipt(focus, attempts)
     out += _evaluations(evaluations, any(a.termination_reason == "succeeded" for a in attempts))
     out += _promotions(promotions)
+    out += _model_history(ledger, run, promotions)
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -6,7 +6,8 @@ TerminationReason` and one honest sentence. The rules, first match wins:
 
 1. exit 0 and nothing against it: ``succeeded``.
 2. evidence from an evaluator (``evaluator`` set) that did not succeed: ``evaluator_crash``.
-3. a person cancelled: ``cancelled``.
+3. a person cancelled: ``cancelled``; a newer attempt holds the run's fencing token (exit 80,
+   ``StaleFencingTokenError``): ``fenced``.
 4. SIGKILL (or exit 137) and the cgroup's ``oom_kill`` counter went up: ``oom``.
 5. the trainer's last words, when present and consistent with the exit code: their reason.
 6. a signal, a lost node or an expired heartbeat: ``timeout`` if the wall-clock limit was
@@ -141,6 +142,10 @@ class AttemptEvidence:
     Fields are optional because a silent death leaves little: a SIGKILLed trainer has no last
     words, a lost node not even an exit code. ``cgroup_oom_kills`` is how many times the
     cgroup's OOM killer fired during the attempt (see :func:`read_cgroup_oom_kills`).
+    ``last_committed_step`` is the run's newest committed checkpoint (the ledger's), and
+    ``step_reached`` the furthest step the attempt is known to have trained: two facts, never
+    one in the other's words. ``newer_attempt`` is the attempt that holds the run's fencing
+    token now (``{"attempt_no": …, "via": …}``), when it is not this one.
     """
 
     exit_code: int | None = None
@@ -157,6 +162,8 @@ class AttemptEvidence:
     wall_seconds: float | None = None
     max_wall_seconds: float | None = None
     evaluator: str | None = None
+    step_reached: int | None = None
+    newer_attempt: Mapping[str, Any] | None = None
 
     @property
     def signal_name(self) -> str | None:
@@ -204,10 +211,16 @@ def _short_type(name: str | None) -> str | None:
     return name.rsplit(".", 1)[-1] if name else None
 
 
-def _where(e: AttemptEvidence) -> str:
-    if e.last_committed_step is None:
-        return "no checkpoint was committed"
-    return f"the last committed checkpoint is step {e.last_committed_step}"
+def _where(e: AttemptEvidence, *, reached: bool = True) -> str:
+    """The last committed step, after the step reached when the attempt trained past it."""
+    committed = e.last_committed_step
+    where = (
+        "no checkpoint was committed"
+        if committed is None
+        else f"the last committed checkpoint is step {committed}"
+    )
+    past = e.step_reached is not None and (committed is None or e.step_reached > committed)
+    return f"it reached step {e.step_reached}; {where}" if reached and past else where
 
 
 def _exit_phrase(e: AttemptEvidence) -> str:
@@ -362,6 +375,10 @@ def _classify(evidence: AttemptEvidence) -> Termination:
             ),
         )
 
+    # 3b. A newer attempt took the run's fencing token: this one stopped, nobody's failure.
+    if _fenced(e, sig, words):
+        return _fenced_termination(e, step)
+
     # 4. The kernel's OOM killer leaves no last words, only a counter in the cgroup.
     if sig == "SIGKILL" and e.cgroup_oom_kills:
         return Termination(
@@ -443,7 +460,6 @@ def _classify(evidence: AttemptEvidence) -> Termination:
             R.BAD_INPUT: "found bad input data",
             R.INFRA_TRANSIENT: "hit a storage or network error",
             R.USER_CODE_ERROR: "raised an error in training code",
-            R.CANCELLED: "was fenced off by a newer attempt",
         }[by_code]
         return Termination(
             by_code,
@@ -460,6 +476,33 @@ def _classify(evidence: AttemptEvidence) -> Termination:
             f"The trainer exited with unexpected {_exit_phrase(e)}"
             + (f" ({sig})" if sig else "")
             + f" and no last words; {_where(e)}"
+        ),
+    )
+
+
+def _fenced(e: AttemptEvidence, sig: str | None, words: Mapping[str, Any]) -> bool:
+    if e.exit_code == exit_codes.FENCED:
+        return True
+    # Without the exit code (a silent attempt), the words or the exception say it, unless a
+    # signal came after them: then the signal is the ending.
+    stale = _short_type(e.exception_type) == "StaleFencingTokenError"
+    return (stale or words.get("reason") == R.FENCED) and sig is None
+
+
+def _fenced_termination(e: AttemptEvidence, step: Any) -> Termination:
+    newer = e.newer_attempt or {}
+    number, via = newer.get("attempt_no"), newer.get("via")
+    if isinstance(number, int):
+        by = f"attempt {number}" + (f" (launched by {via})" if via else "")
+    else:
+        by = "a newer attempt of the run"
+    if not isinstance(step, int):
+        step = e.step_reached
+    return Termination(
+        R.FENCED,
+        _sentence(
+            f"Fenced out{_step_phrase(step)} by {by}, which holds a newer fencing token and "
+            f"carries the run on; no person stopped this attempt, and {_where(e, reached=False)}"
         ),
     )
 
@@ -526,6 +569,8 @@ def classify_observed(observed: ObservedEnding, known: AttemptEvidence) -> Termi
         last_committed_step=known.last_committed_step,
         wall_seconds=known.wall_seconds,
         max_wall_seconds=known.max_wall_seconds,
+        step_reached=known.step_reached,
+        newer_attempt=known.newer_attempt,
     )
     try:
         return classify(merged)
@@ -574,8 +619,14 @@ def evidence_for_attempt(
     exception_message: str | None = None,
     heartbeat_timeout_seconds: float | None = None,
     now: datetime | None = None,
+    step_reached: int | None = None,
+    newer_attempt: Mapping[str, Any] | None = None,
 ) -> AttemptEvidence:
-    """Evidence for a ledger attempt: heartbeat age, wall time and max wall from its receipt."""
+    """Evidence for a ledger attempt: heartbeat age, wall time and max wall from its receipt.
+
+    ``last_committed_step`` comes from the ledger's checkpoints only; the receipt's step
+    reached (its heartbeats) is ``step_reached`` unless a later one is given.
+    """
     now = now or datetime.now(UTC)
     age = (now - attempt.heartbeat_at).total_seconds() if attempt.heartbeat_at else None
     end = attempt.ended_at or now
@@ -591,11 +642,13 @@ def evidence_for_attempt(
         node_lost=node_lost,
         heartbeat_age_seconds=age,
         heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-        last_committed_step=(
-            last_committed_step if last_committed_step is not None else attempt.last_step
-        ),
+        last_committed_step=last_committed_step,
         wall_seconds=(end - attempt.started_at).total_seconds(),
         max_wall_seconds=float(max_wall) if isinstance(max_wall, int | float) else None,
+        step_reached=max(
+            (s for s in (step_reached, attempt.last_step) if s is not None), default=None
+        ),
+        newer_attempt=newer_attempt,
     )
 
 

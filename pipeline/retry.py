@@ -1,7 +1,8 @@
 """Reason-aware retry budgets: what happens after an attempt ends, and why.
 
 Every termination reason spends from its own budget per run: a count of attempts that ended
-with it, and the GPU-seconds those attempts burned. :func:`decide` applies DESIGN.md's table:
+with it, and the GPU-seconds those attempts burned. :func:`decide` applies this table (also in
+docs/receipts.md):
 
 =================  =================  ===============================================
 reason             action             rule
@@ -16,6 +17,7 @@ evaluator_crash    retry_evaluator    ``evaluator_crash_retry_evaluator``
 bad_input          stop               ``bad_input_stops``
 user_code_error    stop               ``user_code_error_stops``
 cancelled          stop               ``cancelled_stops``
+fenced             newer_attempt      ``fenced_newer_attempt_carries_on``
 =================  =================  ===============================================
 
 and any budgeted reason whose budget is spent stops with ``<reason>_budget_spent`` (count) or
@@ -43,6 +45,8 @@ by another; ``max_gpu_seconds`` is how many GPU-seconds those attempts may burn 
 never more than a day. Every number is finite and bounded: ``max_attempts`` <= 1000, backoff
 seconds <= 86400, ``multiplier`` <= 100, ``max_gpu_seconds`` <= one year.
 bad_input, user_code_error and cancelled always stop and have no budget to configure.
+fenced never retries the attempt and has no budget either: the newer attempt that holds the run's
+fencing token carries the run on, so the run stays ``running`` and no budget is spent.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class RetryAction(StrEnum):
     RETRY_EVALUATOR = "retry_evaluator"  # run the evaluator again, never the training
     STOP = "stop"  # no further attempt: a person has to change something
     NONE = "none"  # nothing to retry: the attempt succeeded
+    # Nothing to launch: a newer attempt (holding the run's fencing token) already carries it on.
+    NEWER_ATTEMPT = "newer_attempt"
 
 
 class RetryPolicyError(ValueError):
@@ -231,8 +237,13 @@ class RetryPolicy:
                 continue
             if key in ALWAYS_STOP:
                 raise RetryPolicyError(
-                    source, key, f"{key} always stops (DESIGN.md); it has no budget to configure"
+                    source, key, f"{key} always stops; it has no budget to configure"
                 )
+            if key == R.FENCED:
+                raise RetryPolicyError(
+                    source, key, "fenced is never retried (the newer attempt that fenced it "
+                    "carries the run on); it has no budget to configure",
+                )  # fmt: skip
             if key not in R._value2member_map_ or key == R.SUCCEEDED:
                 known = ", ".join([*(str(r) for r in DEFAULT_BUDGETS), "oom_memory_keys"])
                 raise RetryPolicyError(source, key, f"unknown key (expected one of {known})")
@@ -387,6 +398,7 @@ class RetryDecision:
     @property
     def continues(self) -> bool:
         """Whether another attempt (or evaluator run) follows."""
+        # NEWER_ATTEMPT continues: the run goes on in the newer attempt, never marked failed.
         return self.action not in (RetryAction.STOP, RetryAction.NONE)
 
     def to_json(self) -> dict[str, Any]:
@@ -527,6 +539,16 @@ def decide(
             "succeeded_evaluate",
             f"Attempt {n} succeeded: evaluation of its final checkpoint comes next, "
             "not another attempt.",
+        )
+    if reason == R.FENCED:
+        # Spends from no budget: counting it would let a race between two continuations stop
+        # the run that the winner is still carrying.
+        left = {"count": None, "gpu_seconds": None}
+        return made(
+            RetryAction.NEWER_ATTEMPT,
+            "fenced_newer_attempt_carries_on",
+            f"No retry: attempt {n} was fenced out by a newer attempt, which holds the run's "
+            "fencing token and carries the run on; nothing is launched for this one.",
         )
     if reason in ALWAYS_STOP:
         left = {"count": 0, "gpu_seconds": 0.0}

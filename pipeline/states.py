@@ -1,4 +1,4 @@
-"""The words of DESIGN.md as enums: one word for one idea, in code, tables, CLI and UI."""
+"""The words of docs/architecture.md as enums: one word for one idea, in code, tables, CLI, UI."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ class TerminationReason(StrEnum):
     TIMEOUT = "timeout"
     EVALUATOR_CRASH = "evaluator_crash"
     USER_CODE_ERROR = "user_code_error"
-    CANCELLED = "cancelled"
+    CANCELLED = "cancelled"  # a person asked for the stop
+    FENCED = "fenced"  # a newer attempt of the run holds its fencing token and carries it on
 
 
 class CheckpointState(StrEnum):

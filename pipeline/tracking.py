@@ -15,18 +15,27 @@ journals, the steps its restored checkpoint covers that MLflow does not have yet
 Tracking never stops training: the first MLflow error is reported once and tracking is off for
 the rest of the attempt. The MLflow URI comes from the environment (``TRACKS_MLFLOW_URI``), never
 the command line.
+
+The ledger has the last word: once it closes an attempt, :func:`mirror_attempt` writes its
+termination reason, sentence and Dagster run onto the MLflow run and ends the run's RUNNING
+status with the one that reason implies.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pipeline import redact
 from pipeline.durable import make_dir_durably
+
+if TYPE_CHECKING:
+    from pipeline.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +74,8 @@ class TrainingTracker:
         self._pending: list[tuple[int, dict[str, float]]] = []
         self._client = MlflowClient(tracking_uri=tracking_uri)
         self.mlflow_run_id = self._find_or_create(run_id, artifact_root, config)
+        # An earlier attempt's end set the run FINISHED, KILLED or FAILED: it runs again now.
+        self._client.update_run(self.mlflow_run_id, status="RUNNING")
         self._logged_up_to = self._last_logged_step()
         make_dir_durably(run_dir)  # before the first checkpoint would create it
         self._journal = run_dir / f"metrics-a{attempt_no:02d}.jsonl"
@@ -79,7 +90,10 @@ class TrainingTracker:
             self.committed(restored_step, {})
         self._client.set_tag(self.mlflow_run_id, f"tracks.attempt.{attempt_no}", "started")
         for key, value in tags.items():
-            self._client.set_tag(self.mlflow_run_id, f"tracks.attempt.{attempt_no}.{key}", value)
+            if value:  # an empty tag says nothing (a trainer started outside Dagster)
+                self._client.set_tag(
+                    self.mlflow_run_id, f"tracks.attempt.{attempt_no}.{key}", value
+                )
 
     @classmethod
     def start(cls, warn: Callable[[str], None], **kwargs: Any) -> TrainingTracker | None:
@@ -103,11 +117,9 @@ class TrainingTracker:
             )
         else:
             experiment_id = experiment.experiment_id
-        found = self._client.search_runs(
-            [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{run_id}'", max_results=1
-        )
+        found = _search(self._client, experiment_id, run_id)
         if found:
-            return found[0].info.run_id
+            return found
         run = self._client.create_run(experiment_id, run_name=run_id, tags={RUN_TAG: run_id})
         params: dict[str, str] = {}
         _flatten("", dict(config), params)
@@ -119,8 +131,16 @@ class TrainingTracker:
         return run.info.run_id
 
     def _last_logged_step(self) -> int:
-        history = self._client.get_metric_history(self.mlflow_run_id, "loss")
-        return max((m.step for m in history), default=0)
+        """The newest step MLflow holds: a loss, or a commit logged past the last loss (a
+        checkpoint between two logged steps), which a resumed attempt must not log again."""
+        return max(
+            (
+                m.step
+                for name in ("loss", "checkpoint.step")
+                for m in self._client.get_metric_history(self.mlflow_run_id, name)
+            ),
+            default=0,
+        )
 
     def step(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.enabled:
@@ -159,12 +179,20 @@ class TrainingTracker:
         self._logged_up_to = max(self._logged_up_to, step)
 
     def finished(self, attempt_no: int, reason: str, *, final: bool) -> None:
+        """The trainer's own ending: the run leaves RUNNING with the status ``reason`` implies.
+
+        An orchestrator that classifies the attempt afterwards (the ledger's reason may differ
+        from what the trainer saw) corrects both through :func:`mirror_attempt`. ``final`` is
+        kept for callers: a succeeded attempt is FINISHED either way.
+        """
         if not self.enabled:
             return
         try:
             self._client.set_tag(self.mlflow_run_id, f"tracks.attempt.{attempt_no}", reason)
-            if final:
-                self._client.set_terminated(self.mlflow_run_id, "FINISHED")
+            self._client.set_tag(self.mlflow_run_id, TERMINATION_REASON_TAG, reason)
+            self._client.set_terminated(
+                self.mlflow_run_id, "FINISHED" if final else mlflow_status(reason)
+            )
         except Exception as exc:
             self._warn(f"MLflow tracking stopped: {type(exc).__name__}: {exc}")
 
@@ -187,20 +215,109 @@ def _read_journals(run_dir: Path) -> list[tuple[int, dict[str, float]]]:
     return sorted(by_step.items())
 
 
-def training_run_of(client: Any, run_id: str) -> str | None:
-    """The MLflow run that tracks ledger run ``run_id``, or None (tracking was off)."""
-    try:
-        experiment = client.get_experiment_by_name(TRAINING_EXPERIMENT)
-        if experiment is None:
-            return None
-        found = client.search_runs(
-            [experiment.experiment_id],
-            filter_string=f"tags.`{RUN_TAG}` = '{run_id}'",
-            max_results=1,
-        )
-    except Exception:  # a link is worth trying, never worth failing an evaluation over
-        return None
+def _search(client: Any, experiment_id: str, run_id: str) -> str | None:
+    found = client.search_runs(
+        [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{run_id}'", max_results=1
+    )
     return found[0].info.run_id if found else None
 
 
+def _training_run(client: Any, run_id: str) -> str | None:
+    """The MLflow run of ledger run ``run_id``, or None; MLflow's errors are raised."""
+    experiment = client.get_experiment_by_name(TRAINING_EXPERIMENT)
+    return None if experiment is None else _search(client, experiment.experiment_id, run_id)
+
+
+def training_run_of(client: Any, run_id: str) -> str | None:
+    """The MLflow run that tracks ledger run ``run_id``, or None (tracking was off)."""
+    try:
+        return _training_run(client, run_id)
+    except Exception:  # a link is worth trying, never worth failing an evaluation over
+        return None
+
+
 TRAINING_RUN_TAG = "tracks.training_mlflow_run"
+
+TERMINATION_REASON_TAG = "tracks.termination_reason"
+TERMINATION_DETAIL_TAG = "tracks.termination_detail"
+# MLflow's statuses for the ledger's reasons: a preempted, cancelled or fenced attempt was
+# stopped from outside (KILLED), not a failure of the training; every other reason FAILED.
+_STATUS_OF_REASON = {
+    "succeeded": "FINISHED",
+    "preempted": "KILLED",
+    "cancelled": "KILLED",
+    "fenced": "KILLED",
+}
+_MAX_TAG_CHARS = 5000  # MLflow refuses longer tag values on some stores
+
+
+def mlflow_status(reason: str) -> str:
+    """The MLflow run status that tells the truth about an attempt ended with ``reason``."""
+    return _STATUS_OF_REASON.get(reason, "FAILED")
+
+
+def _store_missing(tracking_uri: str) -> bool:
+    """A SQLite store that does not exist holds no run; opening it would create it."""
+    if not tracking_uri.startswith("sqlite:"):
+        return False
+    import sqlalchemy as sa
+
+    database = sa.engine.make_url(tracking_uri).database
+    return not database or not Path(database).is_file()
+
+
+def mirror_attempt(
+    ledger: Ledger, run_id: str, attempt_no: int, *, tracking_uri: str | None
+) -> str | None:
+    """Make the MLflow run of ledger run ``run_id`` say what the ledger says of attempt N.
+
+    Called after the ledger closes an attempt. Per attempt: ``tracks.attempt.N`` is its
+    termination reason, ``…N.termination_detail`` the ledger's sentence and ``…N.dagster_run_id``
+    the Dagster run that ran it. When it is the run's newest attempt, the run's
+    ``tracks.termination_reason`` / ``tracks.termination_detail`` tags are set and the run
+    leaves RUNNING: FINISHED when it succeeded, KILLED when it was preempted, cancelled or
+    fenced, FAILED otherwise (a newer attempt that is still open keeps the run RUNNING).
+
+    Never raises: returns a sentence saying what could not be written (tracking never stops
+    the pipeline), or None. No MLflow run (tracking was off) is nothing to mirror.
+    """
+    if not tracking_uri or _store_missing(tracking_uri):
+        return None
+    try:
+        attempt = ledger.get_attempt(run_id, attempt_no)
+        if attempt.ended_at is None:
+            return None
+        reason = attempt.termination_reason or "unknown"
+        detail = (attempt.termination_detail or "")[:_MAX_TAG_CHARS]
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=tracking_uri)
+        mlflow_run = _training_run(client, run_id)
+        if mlflow_run is None:
+            return None
+        prefix = f"tracks.attempt.{attempt_no}"
+        tags = {prefix: reason, f"{prefix}.termination_detail": detail}
+        if attempt.dagster_run_id:
+            tags[f"{prefix}.dagster_run_id"] = attempt.dagster_run_id
+        newest = ledger.latest_attempt(run_id)
+        is_newest = newest is not None and newest.attempt_no == attempt_no
+        if is_newest:
+            tags |= {TERMINATION_REASON_TAG: reason, TERMINATION_DETAIL_TAG: detail}
+        for key, value in tags.items():
+            client.set_tag(mlflow_run, key, value)
+        if is_newest:
+            client.set_terminated(mlflow_run, mlflow_status(reason))
+    except Exception as exc:
+        return redact.one_line(
+            f"MLflow run of {run_id} not updated after attempt {attempt_no}: "
+            f"{type(exc).__name__}: {exc}"
+        )
+    return None
+
+
+def mirror_in_trainer_env(ledger: Ledger, run_id: str, attempt_no: int) -> str | None:
+    """:func:`mirror_attempt` to the MLflow the trainer's environment names
+    (``TRACKS_MLFLOW_URI``): for a launcher that runs with the trainer's environment."""
+    return mirror_attempt(
+        ledger, run_id, attempt_no, tracking_uri=os.environ.get("TRACKS_MLFLOW_URI")
+    )

@@ -1,6 +1,7 @@
 """``resume_after_preemption``: continue a run from its last committed checkpoint, by itself.
 
-Reads the ledger each tick (see DESIGN.md, "Platform facts": run-failure sensors miss events).
+Reads the ledger each tick (docs/architecture.md, "Platform facts": run-failure sensors miss
+events).
 The retry decision on the ended attempt says whether to continue; the run key makes each
 continuation happen once; Dagster's own run retries stay off, so this sensor is the one owner.
 """
@@ -11,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
+from assets.launch import CONTINUATION_TAG, TRAINER_CONFIG_FROM_TAG
 from assets.partitions import snapshot_partitions
 from pipeline import redact
-from pipeline.settings import AutomationSettings
+from pipeline.launch_facts import RESUME_SENSOR_NAME
+from pipeline.settings import AutomationSettings, TracksSettings
 from resources import LedgerResource, StorageResource
 
 if TYPE_CHECKING:
@@ -29,9 +32,8 @@ CONTINUATION_ASSETS = [
 ]
 
 
-CONTINUATION_TAG = "tracks/continuation"
 MAX_RELAUNCHES = 3
-SENSOR_NAME = "resume_after_preemption"
+SENSOR_NAME = RESUME_SENSOR_NAME
 
 
 class ContinuationRefusedError(Exception):
@@ -73,7 +75,13 @@ def resume_after_preemption(
 
     book = ledger.ledger()
     for attempt in expire_silent_attempts(
-        book, AUTOMATION.heartbeat_timeout_seconds, checkpoint_root=storage.checkpoints()
+        book,
+        AUTOMATION.heartbeat_timeout_seconds,
+        checkpoint_root=storage.checkpoints(),
+        # The deployment's MLflow (the sensor has no MLflow resource): the MLflow run of an
+        # attempt closed here must not stay RUNNING.
+        tracking_uri=TracksSettings.from_env().mlflow_tracking_uri,
+        on_warning=context.log.warning,
     ):
         context.log.warning(
             f"attempt {attempt.key} went silent: {attempt.termination_detail} "
@@ -140,12 +148,14 @@ def _request_for(
             "not launching another (see their event logs)"
         )
         return None
+    run_config, trainer_from = _continuation_plan(c, context.instance)
     return dg.RunRequest(
         run_key=run_key,
         partition_key=c.run.snapshot_id,
         asset_selection=CONTINUATION_ASSETS,
-        run_config=_continuation_config(c, context.instance),
+        run_config=run_config,
         tags={
+            TRAINER_CONFIG_FROM_TAG: trainer_from,
             CONTINUATION_TAG: c.run_key,
             "tracks/run_id": c.run.run_id,
             "tracks/continues_attempt": str(c.ended.attempt_no),
@@ -157,12 +167,23 @@ def _request_for(
 
 
 def _continuation_config(c: "Continuation", instance: dg.DagsterInstance) -> dict[str, Any]:
+    """The run config of the continuation (see :func:`_continuation_plan`)."""
+    return _continuation_plan(c, instance)[0]
+
+
+def _continuation_plan(
+    c: "Continuation", instance: dg.DagsterInstance
+) -> tuple[dict[str, Any], str]:
     """Continue the run as it ran: on the trainer of the Dagster run that ran the last attempt.
 
     Its ``resources.trainer`` run config is carried over unchanged (a Kubernetes backend, its
     nodes and image with it). Without one, an attempt that ran N ranks on one machine gets N
     ranks under torchrun. An attempt that ran on Kubernetes or on several nodes, whose Dagster
     run is not on this instance to say how, is refused: guessing would run it on this machine.
+
+    Returns the run config and where its trainer config came from (the value of the
+    ``tracks/trainer_config_from`` tag, which the attempt's receipt keeps):
+    ``dagster_run:<id>``, ``placement:<ranks>`` (the continued attempt's) or ``deployment``.
     """
     config: dict[str, Any] = {"ops": {"training_attempt": {"config": {"run_id": c.run.run_id}}}}
     placement = c.ended.placement or {}
@@ -178,10 +199,10 @@ def _continuation_config(c: "Continuation", instance: dg.DagsterInstance) -> dic
                 # No longer run config (TRACKS_TRAINER_PYTHON): Dagster would refuse the key.
                 trainer["config"].pop("python_executable", None)
             config["resources"] = {"trainer": trainer}
-            return config
+            return config, f"dagster_run:{dagster_run_id}"
         if on_kubernetes or nodes > 1:
             # It ran on this deployment's own trainer resource; so does its continuation.
-            return config
+            return config, "deployment"
     elif on_kubernetes or nodes > 1:
         where = "on Kubernetes" if on_kubernetes else f"on {nodes} nodes"
         found = (
@@ -198,4 +219,5 @@ def _continuation_config(c: "Continuation", instance: dg.DagsterInstance) -> dic
     if nodes == 1 and ranks_per_node > 1:
         trainer = {"backend": "torchrun", "nproc_per_node": ranks_per_node}
         config["resources"] = {"trainer": {"config": trainer}}
-    return config
+        return config, f"placement:{ranks_per_node}"
+    return config, "deployment"

@@ -139,7 +139,7 @@ def test_the_cost_query_is_answered_from_the_covering_index(tmp_path: Path) -> N
 def test_head_revision_read_from_the_files_is_alembics_head(tmp_path: Path) -> None:
     cfg = Config()
     cfg.set_main_option("script_location", str(_MIGRATIONS))
-    assert ScriptDirectory.from_config(cfg).get_current_head() == head_revision() == "0003"
+    assert ScriptDirectory.from_config(cfg).get_current_head() == head_revision() == "0005"
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'ledger.db'}")
     assert ledger.schema_revision() == head_revision()
     assert Ledger(f"sqlite:///{tmp_path / 'empty.db'}").schema_revision() is None
@@ -212,7 +212,7 @@ def test_a_batch_stopped_by_its_checks_is_listed_by_cost_and_attempts(
     ("url", "said"),
     [
         ("foo://u:SECRET@h/db", "Can't load plugin"),
-        ("not a url", "Could not parse"),
+        ("not a url", "not a database URL"),
         ("sqlite:////", "unable to open database file"),
     ],
 )

@@ -216,9 +216,9 @@ CASES = [
         R.CANCELLED, "step 120", RetryAction.STOP,
     ),
     Case(
-        "fenced_by_a_newer_attempt_is_cancelled",
-        AttemptEvidence(exit_code=exit_codes.FENCED),
-        R.CANCELLED, "fenced off by a newer attempt", RetryAction.STOP,
+        "fenced_by_a_newer_attempt_is_fenced_and_the_newer_attempt_carries_on",
+        AttemptEvidence(exit_code=exit_codes.FENCED, newer_attempt={"attempt_no": 3, "via": "ui"}),
+        R.FENCED, "by attempt 3 (launched by ui)", RetryAction.NEWER_ATTEMPT,
     ),
 ]  # fmt: skip
 
@@ -328,7 +328,8 @@ def test_a_silent_attempt_in_the_ledger_is_preempted_heartbeat_expired(tmp_path:
     assert ledger.silent_attempts(heartbeat_timeout_seconds=3600) == []
     (silent,) = ledger.silent_attempts(heartbeat_timeout_seconds=300)
     evidence = evidence_for_attempt(silent, heartbeat_timeout_seconds=300)
-    assert evidence.max_wall_seconds == 7200 and evidence.last_committed_step == 350
+    assert evidence.max_wall_seconds == 7200 and evidence.step_reached == 350
+    assert evidence.last_committed_step is None  # a heartbeat's step is reached, not committed
     termination = classify(evidence)
     assert termination.reason == R.PREEMPTED
     assert "heartbeat expired: none for 600s (timeout 300s)" in termination.detail

@@ -1,8 +1,8 @@
 """The checkpoint protocol: files, MANIFEST.json, COMMITTED last; verify before load; no pickle.
 
-See DESIGN.md, "Checkpoint protocol". :class:`CheckpointManager` owns every save, resume and
-retention decision; the functions below are its parts, usable on their own (evaluators call
-:func:`verify_checkpoint` and :func:`load_checkpoint`).
+See docs/checkpoints.md, "The directory protocol". :class:`CheckpointManager` owns every
+save, resume and retention decision; the functions below are its parts, usable on their own
+(evaluators call :func:`verify_checkpoint` and :func:`load_checkpoint`).
 """
 
 from pipeline.checkpoint.errors import (

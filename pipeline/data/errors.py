@@ -55,7 +55,7 @@ class SnapshotNotFoundError(DataError):
 
 
 class SnapshotIntegrityError(DataError):
-    """Snapshot bytes differ from its manifest (DESIGN.md: termination reason ``bad_input``)."""
+    """Snapshot bytes differ from its manifest: termination reason ``bad_input``."""
 
     def __init__(self, snapshot_path: Path, problems: list[tuple[str, str]]) -> None:
         shown = "; ".join(f"{name}: {what}" for name, what in problems[:5])

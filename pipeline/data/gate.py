@@ -6,6 +6,9 @@ The verdict is recorded where the checks ran — in the ledger (``snapshots``,
 ``<snapshot_root>/.checks/<snapshot_id>.<manifest digest>.json`` — keyed by the manifest's
 sha256. An edited manifest has another digest, so no earlier verdict vouches for it. A snapshot
 nobody checked yet is checked here, on the spot, before anything trains on it.
+
+The gate reads each check's newest verdict (``snapshot_checks``); every evaluation of a check
+is also kept, append-only, in ``snapshot_check_history``, which ``tracks explain`` lists.
 """
 
 from __future__ import annotations

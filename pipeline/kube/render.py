@@ -66,7 +66,8 @@ def _user_env(spec: TrainerSpec, bootstrap_env: Mapping[str, str] | None) -> lis
         {"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
         for k, (secret, key) in spec.secret_env.items()
     ]
-    # The receipt's placement and container_digest come from these (DESIGN.md, attempts).
+    # The receipt's placement and container_digest come from these (docs/architecture.md,
+    # "The ledger tables").
     env += [
         {"name": "TRACKS_IMAGE", "value": spec.image},
         {"name": "TRACKS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},

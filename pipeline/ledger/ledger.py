@@ -185,7 +185,14 @@ class Ledger:
 
     @classmethod
     def open(cls, url: str) -> Ledger:
-        """Connect and bring the schema to the newest migration."""
+        """Connect and bring the schema to the newest migration.
+
+        A URL that cannot be used (unparseable, a port outside 1-65535) is refused first with
+        :class:`~pipeline.settings.DatabaseUrlError`, its password masked.
+        """
+        from pipeline.settings import check_database_url
+
+        check_database_url(url)
         ledger = cls(url)
         head = head_revision()
         # Under the same retry budget as every transaction: a trainer that starts while the
@@ -466,8 +473,9 @@ class Ledger:
     ) -> list[CostRow]:
         """The seed question: attempts and GPU-hours per termination reason, most GPU-hours first.
 
-        Same answer as DESIGN.md's SQL, on SQLite and PostgreSQL; the window starts ``days``
-        before ``now`` (computed here, so both databases compare against the same instant).
+        Same answer as the seed SQL in docs/receipts.md, on SQLite and PostgreSQL; the window
+        starts ``days`` before ``now`` (computed here, so both databases compare against the same
+        instant).
         """
         query = cost_by_reason_query(model_family, (now or utcnow()) - timedelta(days=days))
         rows = self._tx(lambda conn: conn.execute(query).all())
@@ -480,6 +488,46 @@ class Ledger:
             )
             for r in rows
         ]
+
+    def cost_by_reason_lost_steps(
+        self, model_family: str, days: float, *, now: datetime | None = None
+    ) -> dict[str | None, int]:
+        """Steps trained and lost, per termination reason, in :meth:`cost_by_reason`'s window.
+
+        An attempt's lost steps are those it reached past its own last commit (past the step it
+        restored, when it committed nothing): a fenced or killed attempt's work nobody resumes.
+        Reasons that lost nothing are left out.
+        """
+        t, c = schema.training_attempts, schema.checkpoints
+        own_commit = sa.func.max(c.c.step).label("own_commit")
+        query = (
+            sa.select(t.c.termination_reason, t.c.last_step, t.c.restored_step, own_commit)
+            .select_from(
+                t.outerjoin(
+                    c,
+                    sa.and_(
+                        c.c.run_id == t.c.run_id,
+                        c.c.attempt_no == t.c.attempt_no,
+                        c.c.committed_at.is_not(None),
+                    ),
+                )
+            )
+            .where(
+                t.c.model_family == model_family,
+                t.c.started_at >= (now or utcnow()) - timedelta(days=days),
+                t.c.last_step.is_not(None),
+                t.c.ended_at.is_not(None),  # a running attempt has lost nothing yet
+            )
+            .group_by(t.c.run_id, t.c.attempt_no, t.c.termination_reason)
+            .group_by(t.c.last_step, t.c.restored_step)
+        )
+        lost: dict[str | None, int] = {}
+        rows = self._tx(lambda conn: conn.execute(query).all())
+        for reason, reached, restored, committed in rows:
+            base = committed if committed is not None else (restored or 0)
+            if reached > base:
+                lost[reason] = lost.get(reason, 0) + reached - base
+        return lost
 
     def silent_attempts(
         self, heartbeat_timeout_seconds: float, *, now: datetime | None = None
@@ -882,9 +930,11 @@ class Ledger:
     ) -> SnapshotRecord:
         """Record check outcomes for one exact manifest and derive the snapshot's verdict.
 
-        Idempotent: a check recorded again replaces its earlier row for the same manifest.
+        A check recorded again replaces its earlier row in ``snapshot_checks`` (the newest
+        verdict, which the gate reads); every evaluation is also appended to
+        ``snapshot_check_history``, which keeps them all.
         """
-        t, s = schema.snapshot_checks, schema.snapshots
+        t, s, history = schema.snapshot_checks, schema.snapshots, schema.snapshot_check_history
 
         def _record(conn: Connection) -> None:
             registered = conn.execute(
@@ -903,6 +953,7 @@ class Ledger:
                     )
                 )
                 conn.execute(sa.insert(t).values(**_record_values(check, t)))
+                conn.execute(sa.insert(history).values(**_record_values(check, history)))
             rows = conn.execute(
                 sa.select(t.c.blocking, t.c.passed).where(
                     t.c.snapshot_id == snapshot_id, t.c.manifest_sha256 == manifest_sha256
@@ -924,6 +975,16 @@ class Ledger:
             sa.select(t)
             .where(t.c.snapshot_id == snapshot_id, t.c.manifest_sha256 == manifest_sha256)
             .order_by(t.c.check_name),
+            SnapshotCheckRecord,
+        )
+
+    def snapshot_check_history(self, snapshot_id: str) -> list[SnapshotCheckRecord]:
+        """Every check evaluation of the snapshot, on any manifest, oldest first."""
+        t = schema.snapshot_check_history
+        return self._records(
+            sa.select(t)
+            .where(t.c.snapshot_id == snapshot_id)
+            .order_by(t.c.checked_at, t.c.check_run_id),
             SnapshotCheckRecord,
         )
 

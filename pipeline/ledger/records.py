@@ -115,6 +115,8 @@ class EvaluationRecord(_Record):
     metrics: dict[str, Any] | None = None
     slice_metrics: dict[str, Any] | None = None
     raw_outputs_uri: str | None = None
+    # sha256 of the raw outputs file as logged: promotion verifies what it loads against it.
+    raw_outputs_sha256: str | None = None
     failures_uri: str | None = None
     mlflow_run_id: str | None = None
     dagster_run_id: str | None = None

@@ -130,6 +130,7 @@ evaluations = sa.Table(
     sa.Column("metrics", JSONType),
     sa.Column("slice_metrics", JSONType),
     sa.Column("raw_outputs_uri", sa.String(1024)),
+    sa.Column("raw_outputs_sha256", sa.String(64)),
     sa.Column("failures_uri", sa.String(1024)),
     sa.Column("mlflow_run_id", sa.String(64)),
     sa.Column("dagster_run_id", sa.String(64)),
@@ -192,4 +193,22 @@ snapshot_checks = sa.Table(
     sa.Column("detail", JSONType),
     sa.Column("checked_at", UTCDateTime, nullable=False),
     sa.Column("dagster_run_id", sa.String(64)),
+)
+
+# Every check evaluation, append-only: ``snapshot_checks`` keeps only the newest per check.
+snapshot_check_history = sa.Table(
+    "snapshot_check_history",
+    metadata,
+    sa.Column("check_run_id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column(
+        "snapshot_id", sa.String(128), sa.ForeignKey("snapshots.snapshot_id"), nullable=False
+    ),
+    sa.Column("manifest_sha256", sa.String(64), nullable=False),
+    sa.Column("check_name", sa.String(64), nullable=False),
+    sa.Column("blocking", sa.Boolean, nullable=False),
+    sa.Column("passed", sa.Boolean, nullable=False),
+    sa.Column("detail", JSONType),
+    sa.Column("checked_at", UTCDateTime, nullable=False),
+    sa.Column("dagster_run_id", sa.String(64)),
+    sa.Index("ix_snapshot_check_history_snapshot", "snapshot_id", "checked_at"),
 )
