@@ -51,20 +51,7 @@ def promoted_model(
         model_name=config.model_name,
         dagster_run_id=context.run_id,
     )
-    metadata = {
-        "promotion_id": decision.promotion_id,
-        "decision": str(decision.decision),
-        "reason": dg.MetadataValue.text(decision.reason),
-        "model_name": decision.model_name,
-        "model_version": decision.model_version or "none",
-        "previous_champion_version": decision.previous_champion_version or "none",
-        "run_id": decision.run_id,
-        "attempt_no": decision.attempt_no,
-        "checkpoint_manifest_sha256": decision.checkpoint_manifest_sha256,
-        "evaluation_ids": dg.MetadataValue.json(list(decision.evaluation_ids)),
-        "gate": dg.MetadataValue.json(decision.gate),
-        "decision_against_champion": dg.MetadataValue.md(_gate_markdown(decision)),
-    }
+    metadata = promotion_metadata(decision)
     if decision.decision != PromotionDecision.PROMOTED:
         # The refusal is already in the ledger; failing the step makes the run say why.
         raise dg.Failure(
@@ -76,9 +63,33 @@ def promoted_model(
     return dg.MaterializeResult(metadata=metadata)
 
 
+def promotion_metadata(decision: Any) -> dict[str, Any]:
+    """The materialization's metadata for a promotion record, refused or promoted."""
+    return {
+        "promotion_id": decision.promotion_id,
+        "decision": str(decision.decision),
+        "reason": dg.MetadataValue.text(decision.reason),
+        "model_name": decision.model_name,
+        "model_version": decision.model_version or "none",
+        "previous_champion_version": decision.previous_champion_version or "none",
+        "run_id": decision.run_id,
+        "attempt_no": decision.attempt_no,
+        "checkpoint_manifest_sha256": decision.checkpoint_manifest_sha256,
+        "evaluation_ids": dg.MetadataValue.json(list(decision.evaluation_ids)),
+        "gate": dg.MetadataValue.json(decision.gate),
+        # The paired comparison of the headline metric with the champion, every number in it.
+        "headline_comparison": dg.MetadataValue.json(
+            (decision.gate or {}).get("headline_comparison") or {}
+        ),
+        "decision_against_champion": dg.MetadataValue.md(_gate_markdown(decision)),
+    }
+
+
 def _gate_markdown(decision: Any) -> str:
-    """The gate's rules as a table: each threshold, and each slice against the champion."""
+    """The gate's rules as a table: each threshold, the headline and each slice against the
+    champion."""
     from pipeline.plots import table_markdown
+    from pipeline.promotion.comparison import headline_sentence
 
     gate = decision.gate or {}
     rows = [
@@ -86,6 +97,8 @@ def _gate_markdown(decision: Any) -> str:
          "passed" if c.get("passed") else "**failed**"]
         for c in gate.get("thresholds", [])
     ]  # fmt: skip
+    if headline := gate.get("headline_comparison"):
+        rows.append(_headline_row(headline))
     for s in gate.get("slice_comparisons", []):
         rows.append(
             [f"{s['evaluator']} slice {s['slice']}", s["candidate"],
@@ -98,4 +111,23 @@ def _gate_markdown(decision: Any) -> str:
         else "no champion yet to compare slices against"
     )
     verdict = f"**{decision.decision}** ({against}) — {decision.reason}"
-    return verdict + "\n\n" + table_markdown(["rule", "this checkpoint", "needs", "result"], rows)
+    table = table_markdown(["rule", "this checkpoint", "needs", "result"], rows)
+    if headline:
+        champion = gate.get("champion_version")
+        who = f"champion version {champion}" if champion else "the champion"
+        table += "\n\nHeadline: " + headline_sentence(headline, who) + "."
+    return verdict + "\n\n" + table
+
+
+def _headline_row(headline: dict[str, Any]) -> list[Any]:
+    if not headline.get("compared"):
+        return [f"{headline.get('metric')} against the champion", "—", "a paired comparison",
+                "**not compared**"]  # fmt: skip
+    low, high = headline["interval"]
+    return [
+        f"{headline['metric']} against the champion ({headline['champion']:.4f}), paired",
+        f"{headline['candidate']:.4f} (difference {headline['difference']:+.4f}, "
+        f"{headline['confidence']:.0%} interval [{low:+.4f}, {high:+.4f}], n={headline['n']})",
+        f"lower bound >= -{headline['margin']:g}",
+        "passed" if headline["passed"] else "**failed**",
+    ]

@@ -6,9 +6,12 @@ import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import numpy as np
+
 from pipeline.evaluation.evaluators import EVALUATORS
 from pipeline.ledger import EvaluationRecord
 from pipeline.promotion import QualityGate, decide, newest_complete
+from pipeline.promotion.comparison import PairedOutcomes
 
 SHA = "a" * 64
 OTHER_SHA = "b" * 64
@@ -56,6 +59,13 @@ def _evaluation(
     }
     values.update(overrides)
     return EvaluationRecord(**values)
+
+
+def _outcomes(record: EvaluationRecord) -> PairedOutcomes:
+    """Per-example outcomes that agree with the row's accuracy: its first examples right."""
+    n = 1000
+    correct = np.arange(n) < round(record.metrics["accuracy"] * n)
+    return PairedOutcomes(record.evaluation_id, "0" * 64, tuple(range(n)), correct)
 
 
 def _both(**kw: Any) -> list[EvaluationRecord]:
@@ -140,7 +150,7 @@ def test_evaluations_on_another_task_set_do_not_count_when_the_task_set_is_known
 def test_a_champion_without_a_baseline_for_a_required_evaluator_is_refused() -> None:
     # The champion was evaluated by holdout_accuracy only: noise slices cannot be compared.
     champion = [_evaluation(sha=OTHER_SHA)]
-    decision = decide(SHA, _both(), champion, REQUIRED, champion_version="7")
+    decision = decide(SHA, _both(), champion, REQUIRED, champion_version="7", outcomes=_outcomes)
     assert not decision.passed
     assert decision.reasons == [
         "champion version 7 has no complete noise_robustness evaluation to compare slices "
@@ -187,7 +197,7 @@ def test_missing_provenance_is_refused_naming_the_fields_and_the_evaluation() ->
 def test_slice_regression_against_the_champion_is_named() -> None:
     champion = _both(sha=OTHER_SHA, slices={"class=3": 0.97, "class=4": 1.0})
     candidate = _both(slices={"class=3": 0.91, "class=4": 0.98})
-    decision = decide(SHA, candidate, champion, REQUIRED, champion_version="2")
+    decision = decide(SHA, candidate, champion, REQUIRED, champion_version="2", outcomes=_outcomes)
     assert decision.reasons == [
         "slice class=3 of holdout_accuracy regressed from 0.970 to 0.910 (> 0.03) "
         "against champion version 2",
@@ -207,7 +217,7 @@ def test_slices_compare_against_the_champion_on_the_same_task_set_when_it_has_on
         _evaluation("noise_robustness", sha=OTHER_SHA),
     ]
     candidate = [_evaluation(slices={"class=3": 0.94}), _evaluation("noise_robustness")]
-    decision = decide(SHA, candidate, champion, REQUIRED, champion_version="3")
+    decision = decide(SHA, candidate, champion, REQUIRED, champion_version="3", outcomes=_outcomes)
     assert decision.passed, decision.reasons
     used = decision.details["champion_evaluations"]["holdout_accuracy"]
     assert used == {"evaluation_id": champion[1].evaluation_id, "same_task_set": True}
@@ -216,7 +226,9 @@ def test_slices_compare_against_the_champion_on_the_same_task_set_when_it_has_on
 def test_thresholds_and_tolerance_are_configurable() -> None:
     strict = QualityGate(min_metrics={"holdout_accuracy.accuracy": 0.99}, max_slice_regression=0)
     champion = _both(sha=OTHER_SHA, slices={"class=3": 0.98})
-    decision = strict.decide(SHA, _both(slices={"class=3": 0.97}), champion, REQUIRED)
+    decision = strict.decide(
+        SHA, _both(slices={"class=3": 0.97}), champion, REQUIRED, outcomes=_outcomes
+    )
     assert decision.reasons == [
         "holdout_accuracy.accuracy 0.9700 < 0.99",
         "slice class=3 of holdout_accuracy regressed from 0.980 to 0.970 (> 0) "
@@ -240,7 +252,7 @@ def test_long_refusals_keep_the_summary_readable_and_the_details_complete() -> N
     slices = {f"class={k}": 0.99 for k in range(10)}
     champion = _both(sha=OTHER_SHA, slices=slices)
     candidate = _both(slices={k: 0.1 for k in slices})
-    decision = decide(SHA, candidate, champion, REQUIRED, champion_version="1")
+    decision = decide(SHA, candidate, champion, REQUIRED, champion_version="1", outcomes=_outcomes)
     assert len(decision.reasons) == 20 and decision.details["reasons"] == decision.reasons
     assert decision.summary().endswith("and 14 more (see gate details).")
 

@@ -155,7 +155,7 @@ def run_evaluation(
                 evaluation_id=evaluation_id,
                 cause=exc,
             ) from exc
-        _log_result(client, mlflow_run_id, result, evaluator, provenance)
+        raw_outputs_sha256 = _log_result(client, mlflow_run_id, result, evaluator, provenance)
         finished = True
     finally:
         client.set_terminated(mlflow_run_id, "FINISHED" if finished else "FAILED")
@@ -168,6 +168,7 @@ def run_evaluation(
             metrics=dict(result.metrics),
             slice_metrics={k: dict(v) for k, v in result.slice_metrics.items()},
             raw_outputs_uri=f"{artifact_uri}/{RAW_OUTPUTS}",
+            raw_outputs_sha256=raw_outputs_sha256,
             failures_uri=f"{artifact_uri}/{FAILURES}",
             mlflow_run_id=mlflow_run_id,
             ended_at=utcnow(),
@@ -241,9 +242,11 @@ def _log_result(
     result: EvaluatorResult,
     evaluator: Evaluator,
     provenance: dict[str, Any],
-) -> None:
+) -> str:
+    """Log metrics and artifacts; the sha256 of the raw outputs file as it was logged."""
     from mlflow.entities import Metric
 
+    from pipeline.digests import sha256_file
     from pipeline.mlflow_setup import mlflow_key
 
     now = int(time.time() * 1000)
@@ -264,6 +267,9 @@ def _log_result(
     with tempfile.TemporaryDirectory(prefix="tracks-eval-") as tmp:
         for path in write_artifacts(result, Path(tmp), title=title, provenance=provenance):
             client.log_artifact(mlflow_run_id, str(path))
+        raw_outputs_sha256 = sha256_file(Path(tmp) / RAW_OUTPUTS)
+    client.set_tag(mlflow_run_id, "raw_outputs_sha256", raw_outputs_sha256)
+    return raw_outputs_sha256
 
 
 def _first_line(exc: BaseException) -> str:

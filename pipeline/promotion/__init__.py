@@ -1,10 +1,12 @@
 """Promotion: the quality gate, then the ``champion`` alias moves or a refusal is recorded."""
 
+from pipeline.promotion.comparison import HeadlineSettings
 from pipeline.promotion.gate import GateDecision, QualityGate, decide, newest_complete
 from pipeline.promotion.promote import champion_version, promote
 
 __all__ = [
     "GateDecision",
+    "HeadlineSettings",
     "QualityGate",
     "champion_version",
     "decide",

@@ -1,15 +1,23 @@
 """The quality gate: which evaluations count for a checkpoint, and whether they are good enough.
 
-A pure function of ledger rows, so every refusal can be re-derived from the ledger alone.
+A pure function of ledger rows and the per-example outcomes they vouch for (raw outputs whose
+sha256 the ledger recorded), so every refusal can be re-derived from the ledger and those files.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeline.ledger.records import EvaluationRecord
+from pipeline.promotion.comparison import (
+    HeadlineSettings,
+    OutcomesError,
+    OutcomesLoader,
+    compare,
+    headline_sentence,
+)
 from pipeline.states import EvaluationStatus
 
 _REASONS_SHOWN = 6
@@ -21,21 +29,26 @@ def _default_min_metrics() -> dict[str, float]:
 
 @dataclass(frozen=True)
 class QualityGate:
-    """Thresholds a candidate must meet, and how far a slice may fall below the champion's.
+    """Thresholds a candidate must meet, and how far it may fall below the champion.
 
     ``min_metrics`` keys are ``<evaluator>.<metric>``. Slices are compared on
-    ``slice_metric`` for every slice both the candidate and the champion have.
+    ``slice_metric`` for every slice both the candidate and the champion have. The headline
+    metric is compared example by example on the same task set (``headline``): the candidate
+    may be worse by at most ``headline.margin``, and not significantly worse
+    (:func:`pipeline.promotion.comparison.compare`).
     """
 
     min_metrics: Mapping[str, float] = field(default_factory=_default_min_metrics)
     max_slice_regression: float = 0.03
     slice_metric: str = "accuracy"
+    headline: HeadlineSettings = field(default_factory=HeadlineSettings)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "min_metrics": dict(self.min_metrics),
             "max_slice_regression": self.max_slice_regression,
             "slice_metric": self.slice_metric,
+            "headline": asdict(self.headline),
         }
 
     def decide(
@@ -48,6 +61,7 @@ class QualityGate:
         champion_version: str | None = None,
         evaluator_versions: Mapping[str, str] | None = None,
         task_set_version: str | None = None,
+        outcomes: OutcomesLoader | None = None,
     ) -> GateDecision:
         """Decide on the checkpoint with manifest ``checkpoint_manifest_sha256``.
 
@@ -57,6 +71,10 @@ class QualityGate:
         Champion evaluations are matched per evaluator, preferring the same task set version.
         A champion (``champion_version`` or evaluations of it) with no evaluation to compare
         a required evaluator against refuses: an unshown comparison is no comparison.
+        With a champion, ``outcomes`` loads each evaluation's per-example outcomes for the
+        headline comparison; without it (or without a champion evaluation of the headline
+        evaluator at the candidate's version and task set) the comparison is not made, and
+        that refuses.
         """
         sha12 = checkpoint_manifest_sha256[:12]
         reasons: list[str] = []
@@ -114,6 +132,11 @@ class QualityGate:
                 reasons.append(f"{key} {float(value):.4f} < {threshold:g}")
 
         champion_rows = list(champion_evaluations)
+        headline = None
+        if champion_version is not None or champion_rows:
+            headline = self._compare_headline(
+                counted, champion_rows, champion_version, required, outcomes, reasons
+            )
         comparisons, champion_used = self._compare_slices(
             counted, champion_rows, champion_version, reasons
         )
@@ -134,6 +157,7 @@ class QualityGate:
             "thresholds": checks,
             "champion_version": champion_version,
             "champion_evaluations": champion_used,
+            "headline_comparison": headline,
             "slice_comparisons": comparisons,
             "gate": self.as_dict(),
             "reasons": reasons,
@@ -144,6 +168,67 @@ class QualityGate:
             details=details,
             evaluation_ids=[r.evaluation_id for _, r in sorted(counted.items())],
         )
+
+    def _compare_headline(
+        self,
+        counted: dict[str, EvaluationRecord],
+        champion_evaluations: list[EvaluationRecord],
+        champion_version: str | None,
+        required: Sequence[str],
+        outcomes: OutcomesLoader | None,
+        reasons: list[str],
+    ) -> dict[str, Any]:
+        settings = self.headline
+        name = settings.evaluator
+        metric = f"{name}.{settings.metric}"
+        against = f"champion version {champion_version}" if champion_version else "the champion"
+
+        def not_compared(reason: str, *, refuse: bool = True) -> dict[str, Any]:
+            result = {"compared": False, "metric": metric, "reason": reason}
+            if refuse:
+                reasons.append(headline_sentence(result, against))
+            return result
+
+        candidate = counted.get(name)
+        if candidate is None:
+            # A required evaluator without a complete evaluation is refused above already.
+            return not_compared(
+                f"the candidate has no complete {name} evaluation", refuse=name not in required
+            )
+        mine = [
+            r
+            for r in champion_evaluations
+            if r.evaluator_name == name and r.status == EvaluationStatus.COMPLETE
+        ]
+        same = [
+            r
+            for r in mine
+            if r.task_set_version == candidate.task_set_version
+            and r.evaluator_version == candidate.evaluator_version
+        ]
+        if not same:
+            if not mine:
+                # Said once, by the slice comparison's refusal, when the evaluator is required.
+                return not_compared(
+                    f"{against} has no complete {name} evaluation", refuse=name not in required
+                )
+            return not_compared(
+                f"{against} has no complete {name} evaluation on the candidate's task set "
+                f"{candidate.task_set_version[:12]} at version {candidate.evaluator_version} "
+                f"(only on {_sets_and_versions(mine)}); the same examples must be compared"
+            )
+        baseline = max(same, key=_order)
+        if outcomes is None:
+            return not_compared("no per-example outcomes were given to the gate")
+        try:
+            result = compare(outcomes(candidate), outcomes(baseline), settings)
+        except OutcomesError as exc:
+            return not_compared(str(exc))
+        result["task_set_version"] = candidate.task_set_version
+        result["evaluator_version"] = candidate.evaluator_version
+        if not result["passed"]:
+            reasons.append(headline_sentence(result, against))
+        return result
 
     def _compare_slices(
         self,
@@ -214,6 +299,10 @@ class GateDecision:
             if champion
             else "no champion to compare slices against"
         )
+        headline = self.details.get("headline_comparison")
+        if headline:
+            who = f"champion version {champion}" if champion else "the champion"
+            against += "; " + headline_sentence(headline, who)
         return (
             f"Passed: {len(self.evaluation_ids)} evaluations with full provenance "
             f"({', '.join(self.details.get('evaluations', {}))}), "
@@ -231,6 +320,7 @@ def decide(
     gate: QualityGate | None = None,
     evaluator_versions: Mapping[str, str] | None = None,
     task_set_version: str | None = None,
+    outcomes: OutcomesLoader | None = None,
 ) -> GateDecision:
     """:meth:`QualityGate.decide` with the default gate unless one is given."""
     return (gate or QualityGate()).decide(
@@ -241,6 +331,7 @@ def decide(
         champion_version=champion_version,
         evaluator_versions=evaluator_versions,
         task_set_version=task_set_version,
+        outcomes=outcomes,
     )
 
 
@@ -304,6 +395,11 @@ def _evaluated_elsewhere(
 
 def _order(record: EvaluationRecord) -> tuple[Any, ...]:
     return (record.started_at, record.ended_at or record.started_at, record.evaluation_id)
+
+
+def _sets_and_versions(records: Iterable[EvaluationRecord]) -> str:
+    pairs = sorted({(r.task_set_version[:12], r.evaluator_version) for r in records})
+    return ", ".join(f"task set {t} at version {v}" for t, v in pairs)
 
 
 def _champion_baseline(

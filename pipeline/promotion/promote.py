@@ -1,5 +1,9 @@
 """Promotion: gate a committed checkpoint, register it in MLflow and move the ``champion`` alias.
 
+Before the gate, a champion with no evaluation the headline comparison can pair with the
+candidate's (same task set, same evaluator version, digested raw outputs) is evaluated on the
+promotion's snapshot (see ``baseline``).
+
 Order of writes on a pass: MLflow model version (tagged back to run, attempt, checkpoint,
 snapshot and evaluations), then the alias (only if the champion is still the version
 the gate compared against), then the ledger row. A crash between the alias and
@@ -11,16 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import tempfile
 import uuid
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.ledger.ledger import utcnow
 from pipeline.ledger.records import PromotionRecord
 from pipeline.mlflow_setup import CHAMPION_ALIAS, DEFAULT_MODEL_NAME
+from pipeline.promotion.comparison import load_outcomes
 from pipeline.promotion.gate import GateDecision, QualityGate
 from pipeline.states import PromotionDecision
 
@@ -84,14 +90,33 @@ def promote(
     # The SQL registry hands versions back as ints; the ledger and tags hold strings.
     previous = str(champion.version) if champion else None
     champion_sha = _champion_manifest_sha(ledger, model_name, champion)
+    gate = gate or QualityGate()
+    candidate_evaluations = ledger.evaluations_for_checkpoint(checkpoint.manifest_sha256)
+    champion_row = _promotion_for_version(ledger, model_name, previous) if previous else None
+    reevaluation = None
+    if champion_row is not None and champion_sha != checkpoint.manifest_sha256:
+        from pipeline.promotion.baseline import reevaluate_champion_if_needed
+
+        reevaluation = reevaluate_champion_if_needed(
+            ledger=ledger,
+            settings=settings,
+            champion=champion_row,
+            candidate_evaluations=candidate_evaluations,
+            candidate_manifest_sha256=checkpoint.manifest_sha256,
+            snapshot_id=snapshot_id,
+            headline=gate.headline,
+            dagster_run_id=dagster_run_id,
+        )
     champion_evaluations = ledger.evaluations_for_checkpoint(champion_sha) if champion_sha else []
-    decision = (gate or QualityGate()).decide(
+    decision = gate.decide(
         checkpoint.manifest_sha256,
-        ledger.evaluations_for_checkpoint(checkpoint.manifest_sha256),
+        candidate_evaluations,
         champion_evaluations,
         required,
         champion_version=previous,
+        outcomes=functools.partial(load_outcomes, settings=settings),
     )
+    decision = _with_reevaluation(decision, reevaluation, previous)
     if champion is not None and champion_sha is None:
         # Without the champion's evaluations "no slice regression" cannot be shown.
         reasons = [
@@ -163,6 +188,20 @@ def promote(
             serving_manifest=vouched,
         )
     )
+
+
+def _with_reevaluation(
+    decision: GateDecision, reevaluation: dict[str, Any] | None, previous: str | None
+) -> GateDecision:
+    """The decision with what was done to give the champion a baseline, and why it failed."""
+    reasons = list(decision.reasons)
+    if reevaluation is not None and not reevaluation["evaluated"]:
+        reasons.append(
+            f"champion version {previous} could not be evaluated on the candidate's task set: "
+            f"{reevaluation['reason']}"
+        )
+    details = {**decision.details, "champion_reevaluation": reevaluation, "reasons": reasons}
+    return dataclasses.replace(decision, passed=not reasons, reasons=reasons, details=details)
 
 
 def _champion_changed(
