@@ -30,5 +30,5 @@ REASON_BY_EXIT_CODE: dict[int, TerminationReason] = {
     CONFIG_ERROR: TerminationReason.USER_CODE_ERROR,
     TIMEOUT: TerminationReason.TIMEOUT,
     # Not this attempt's failure and not worth a retry: the newer attempt carries the run on.
-    FENCED: TerminationReason.CANCELLED,
+    FENCED: TerminationReason.FENCED,
 }
