@@ -82,6 +82,17 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return request.getfixturevalue("pg_database")
 
 
+@pytest.fixture(scope="session")
+def snapshot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A digits snapshot made once per session (read it, never change it: tests share it)."""
+    from pipeline.data.landing import write_digits_landing
+    from pipeline.data.snapshot import create_snapshot
+
+    root = tmp_path_factory.mktemp("digits")
+    write_digits_landing(root / "landing")
+    return create_snapshot(root / "landing", root / "snapshots").path
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The slow tests (real dagster, torchrun, drills) first, in their files' order.
 

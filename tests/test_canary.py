@@ -6,7 +6,6 @@ every training run) relies on.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings
 from sensors.canary import CanaryVerdict, run_canary
 from tests.checkpoint_support import resign
+from tests.trainer_support import small_checkpoint
 
 CONDITIONS = [
     "run_succeeded",
@@ -36,36 +36,6 @@ CONDITIONS = [
     "provenance_complete",
     "within_minutes",
 ]
-
-
-def small_checkpoint(root: Path) -> Path:
-    """Train 20 steps of a tiny model without Dagster or a ledger; the final checkpoint's path."""
-    from pipeline.data.landing import write_digits_landing
-    from pipeline.data.snapshot import create_snapshot
-    from pipeline.trainer.config import TrainConfig
-    from pipeline.trainer.reporting import StdoutReporter
-    from pipeline.trainer.train import run_training
-
-    write_digits_landing(root / "landing")
-    snapshot = create_snapshot(root / "landing", root / "snapshots")
-    config = TrainConfig.from_dict(
-        {
-            "seed": 0,
-            "max_steps": 20,
-            "checkpoint_every_steps": 10,
-            "batch_size": 32,
-            "learning_rate": 0.003,
-            "optimizer": "adam",
-            "lr_schedule": {"kind": "cosine"},
-            "model": {"channels": 4, "hidden": 16},
-            "snapshot_dir": str(snapshot.path),
-        }
-    )
-    code = run_training(
-        config, run_id="r1", store=root / "store", reporter=StdoutReporter(io.StringIO())
-    )
-    assert code == 0
-    return root / "store" / "r1" / "step-0000000020-a01"
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import math
 import shutil
 import threading
 import time
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,11 +25,8 @@ from pipeline.checkpoint import (
     OPTIMIZER_FILE,
     PROBE_FILE,
     TRAINER_STATE_FILE,
-    CheckpointConfig,
-    CheckpointManager,
     CorruptCheckpointError,
     RestoreDivergedError,
-    TrainingState,
     UnsafeCheckpointError,
     checkpoint_dirs,
     refuse_pickle,
@@ -45,104 +41,23 @@ from pipeline.checkpoint.state import live_tensors
 from pipeline.checkpoint.tensorfile import FileImage, safetensors_chunks
 from pipeline.checkpoint.verify import ListedFile
 from pipeline.digests import sha256_bytes
-from pipeline.ledger import AttemptStart, EvaluationRecord, Ledger, StaleFencingTokenError
+from pipeline.ledger import EvaluationRecord, StaleFencingTokenError
 from pipeline.states import CheckpointState
-from pipeline.trainer.data import EpochSampler, TrainingData
 from pipeline.trainer.model import build_model
-from pipeline.trainer.train import train_step
-from tests.checkpoint_support import resign
-
-RUN_ID = "run-ckpt"
-MODEL_CONFIG = {"channels": 4, "hidden": 16, "dropout": 0.1}
+from tests.checkpoint_support import RUN_ID, recommit_in_ledger, resign
+from tests.checkpoint_support import begin_attempt as _begin
+from tests.checkpoint_support import checkpoint_manager as _manager
+from tests.checkpoint_support import ledger_run as _ledger_run
+from tests.checkpoint_support import save_at as _save_at
+from tests.checkpoint_support import train_steps as _steps
+from tests.checkpoint_support import training_data as _data
+from tests.checkpoint_support import training_state as _state
 
 
 @pytest.fixture(autouse=True)
 def _single_thread() -> None:
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
-
-
-def _data(n: int = 96) -> TrainingData:
-    generator = torch.Generator().manual_seed(1234)
-    images = torch.rand(n, 1, 8, 8, generator=generator)
-    labels = torch.randint(0, 10, (n,), generator=generator)
-    return TrainingData("snap-test", "f" * 64, images, labels, images[:24], labels[:24])
-
-
-def _state(data: TrainingData, *, seed: int = 0, optimizer: str = "adam") -> TrainingState:
-    torch.manual_seed(seed)
-    model = build_model(MODEL_CONFIG)
-    if optimizer == "adam":
-        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50)
-    return TrainingState(
-        model=model,
-        optimizer=opt,
-        data_cursor=EpochSampler(len(data.train_labels), 16, seed=7),
-        config={"model": MODEL_CONFIG, "optimizer": optimizer},
-        config_sha256="c" * 64,
-        probe_inputs=data.eval_images[:8],
-        lr_scheduler=scheduler,
-        data_manifest_sha256=data.manifest_sha256,
-        snapshot_id=data.snapshot_id,
-    )
-
-
-def _steps(state: TrainingState, data: TrainingData, count: int) -> list[float]:
-    losses = []
-    for _ in range(count):
-        losses.append(train_step(state, data))
-        state.step += 1
-    return losses
-
-
-def _manager(tmp_path: Path, *, ledger: Ledger | None = None, attempt: int = 1,
-             token: int | None = None, **config: object) -> CheckpointManager:  # fmt: skip
-    manager = CheckpointManager(
-        tmp_path / "store" / RUN_ID,
-        CheckpointConfig(**{"interval_steps": 10, "keep_last_k": 10, **config}),  # type: ignore[arg-type]
-        run_id=RUN_ID,
-        ledger=ledger,
-    )
-    manager.bind_attempt(attempt, token)
-    return manager
-
-
-def _save_at(manager: CheckpointManager, state: TrainingState, data: TrainingData,
-             steps: list[int], metrics: dict[int, float] | None = None) -> list[Path]:  # fmt: skip
-    paths = []
-    for target in steps:
-        _steps(state, data, target - state.step)
-        loss = (metrics or {}).get(target, 1.0)
-        paths.append(manager.save(state, metrics={"eval_loss": loss}).path)
-    return paths
-
-
-@dataclass
-class LedgerRun:
-    ledger: Ledger
-    attempt_no: int
-    token: int
-
-
-def _ledger_run(tmp_path: Path) -> LedgerRun:
-    ledger = Ledger.open(f"sqlite:///{tmp_path / 'ledger.db'}")
-    ledger.create_run(
-        run_id=RUN_ID, model_family="digits-cnn", owner="test", purpose="baseline",
-        config_sha256="c" * 64, snapshot_id="snap-test",
-    )  # fmt: skip
-    return LedgerRun(ledger, *_begin(ledger))
-
-
-def _begin(ledger: Ledger) -> tuple[int, int]:
-    record = ledger.begin_attempt(
-        RUN_ID,
-        AttemptStart(config_snapshot={}, config_sha256="c" * 64,
-                     data_manifest_sha256="f" * 64, container_digest="test"),
-    )  # fmt: skip
-    return record.attempt_no, record.fencing_token
 
 
 # -- codec ------------------------------------------------------------------------------------
@@ -388,13 +303,15 @@ def test_probe_mismatch_after_restore_is_corrupt_and_previous_is_used(tmp_path: 
     raw = safetensors_bytes(probe, metadata={"format": "pt", "device": "cpu"})
     (newest / PROBE_FILE).write_bytes(raw)
     resign(newest, PROBE_FILE)
+    recommit_in_ledger(book.ledger, newest, book.token)  # else the ledger refuses it first
     verify_checkpoint(newest)
 
     resumed = _state(data, seed=4)
     info = _manager(tmp_path, ledger=book.ledger, attempt=2, token=book.token).resume(resumed)
     assert info is not None and info.path == previous
     record = book.ledger.get_checkpoint(str(newest))
-    assert record.state == CheckpointState.CORRUPT and "probe" in (record.state_detail or "")
+    assert record.state == CheckpointState.CORRUPT
+    assert f"{PROBE_FILE}: post-restore probe logits differ" in (record.state_detail or "")
     # The failed candidate's weights did not leak into the state: it equals a clean restore.
     clean = _state(data, seed=6)
     _manager(tmp_path, ledger=book.ledger, attempt=2, token=book.token).resume(clean)

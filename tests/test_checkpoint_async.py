@@ -34,8 +34,16 @@ from pipeline.checkpoint import manager as manager_module
 from pipeline.checkpoint.tensorfile import parse_safetensors, safetensors_chunks
 from pipeline.states import CheckpointState
 from pipeline.trainer.data import TrainingData
-from tests.checkpoint_support import resign
-from tests.test_checkpoint import RUN_ID, _data, _ledger_run, _manager, _state, _steps
+from tests.checkpoint_support import (
+    RUN_ID,
+    begin_attempt,
+    checkpoint_manager,
+    ledger_run,
+    resign,
+    train_steps,
+    training_data,
+    training_state,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -50,30 +58,30 @@ def _model_bytes(path: Path) -> bytes:
 
 def _twin_run(tmp_path: Path, data: TrainingData, steps: int) -> Path:
     """The same trajectory saved synchronously at ``steps``: what an async save must equal."""
-    twin = _state(data)
-    _steps(twin, data, steps)
-    return _manager(tmp_path / "twin").save(twin, metrics={"eval_loss": 1.0}).path
+    twin = training_state(data)
+    train_steps(twin, data, steps)
+    return checkpoint_manager(tmp_path / "twin").save(twin, metrics={"eval_loss": 1.0}).path
 
 
 def test_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path: Path) -> None:
-    data = _data()
-    state = _state(data)
-    _steps(state, data, 5)
+    data = training_data()
+    state = training_state(data)
+    train_steps(state, data, 5)
     committed: list[CheckpointInfo] = []
-    manager = _manager(tmp_path)
+    manager = checkpoint_manager(tmp_path)
     manager._on_commit = committed.append
     manager.save_async(state, metrics={"eval_loss": 1.0})
-    _steps(state, data, 7)  # the loop mutates the live state while the writer writes
+    train_steps(state, data, 7)  # the loop mutates the live state while the writer writes
     manager.wait()
-    expected = _steps(state, data, 4)
+    expected = train_steps(state, data, 4)
     (info,) = committed
     assert info.step == 5 and verify_checkpoint(info.path).step == 5
     # The resumed trajectory is the uninterrupted one …
-    resumed = _state(data, seed=42)
-    _manager(tmp_path, attempt=2).resume(resumed)
+    resumed = training_state(data, seed=42)
+    checkpoint_manager(tmp_path, attempt=2).resume(resumed)
     assert resumed.step == 5
-    _steps(resumed, data, 7)
-    assert _steps(resumed, data, 4) == expected
+    train_steps(resumed, data, 7)
+    assert train_steps(resumed, data, 4) == expected
     # … and the files are those a synchronous save at step 5 writes.
     twin = _twin_run(tmp_path, data, 5)
     assert _model_bytes(info.path) == _model_bytes(twin)
@@ -83,12 +91,12 @@ def test_async_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path:
 def test_staging_copies_into_the_same_file_images_every_save(tmp_path: Path) -> None:
     """A CPU model's two tensor files are staged into one image each, mapped by the first save
     and reused by every save after it; the files written are those images' bytes."""
-    data = _data()
-    state = _state(data)
-    manager = _manager(tmp_path)
+    data = training_data()
+    state = training_state(data)
+    manager = checkpoint_manager(tmp_path)
     pointers = []
     for _ in range(3):
-        _steps(state, data, 2)
+        train_steps(state, data, 2)
         manager.save_async(state)
         images = manager._buffers._images
         pointers.append(
@@ -111,9 +119,9 @@ def test_staging_copies_into_the_same_file_images_every_save(tmp_path: Path) -> 
 def test_next_save_waits_for_the_one_in_flight_before_reusing_its_buffers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = _data()
-    state = _state(data)
-    manager = _manager(tmp_path)
+    data = training_data()
+    state = training_state(data)
+    manager = checkpoint_manager(tmp_path)
     release = threading.Event()
     in_flight = threading.Event()
 
@@ -123,10 +131,10 @@ def test_next_save_waits_for_the_one_in_flight_before_reusing_its_buffers(
             assert release.wait(10)
 
     monkeypatch.setattr(manager_module, "_fault_sleep_before_commit", held_before_commit)
-    _steps(state, data, 2)
+    train_steps(state, data, 2)
     manager.save_async(state)
     assert in_flight.wait(10) and manager.save_in_flight
-    _steps(state, data, 2)
+    train_steps(state, data, 2)
     threading.Timer(0.3, release.set).start()
     began = time.monotonic()
     manager.save_async(state)  # must block until step 2 is committed
@@ -144,15 +152,15 @@ def test_next_save_waits_for_the_one_in_flight_before_reusing_its_buffers(
 
 
 def test_commits_are_reported_on_the_training_thread_in_order(tmp_path: Path) -> None:
-    data = _data()
-    state = _state(data)
+    data = training_data()
+    state = training_state(data)
     seen: list[tuple[int, str]] = []
-    manager = _manager(tmp_path)
+    manager = checkpoint_manager(tmp_path)
     manager._on_commit = lambda info: seen.append((info.step, threading.current_thread().name))
     for _ in range(3):
-        _steps(state, data, 3)
+        train_steps(state, data, 3)
         manager.save_async(state)
-    _steps(state, data, 3)
+    train_steps(state, data, 3)
     manager.save(state)  # synchronous: waits for the one in flight, then commits its own
     main = threading.current_thread().name
     assert seen == [(3, main), (6, main), (9, main), (12, main)]
@@ -162,15 +170,15 @@ def test_commits_are_reported_on_the_training_thread_in_order(tmp_path: Path) ->
 def test_writer_error_is_raised_on_the_training_thread_and_the_previous_checkpoint_stays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = _data()
-    state = _state(data)
-    manager = _manager(tmp_path)
-    _steps(state, data, 4)
+    data = training_data()
+    state = training_state(data)
+    manager = checkpoint_manager(tmp_path)
+    train_steps(state, data, 4)
     previous = manager.save(state).path
     monkeypatch.setenv("TRACKS_FAULT_ENOSPC_AT_STEP", "8")
     events: list[tuple[str, dict]] = []
     manager._on_event = lambda name, fields: events.append((name, fields))
-    _steps(state, data, 4)
+    train_steps(state, data, 4)
     manager.save_async(state)
     manager._writer.join()  # type: ignore[union-attr]
     assert events == [], "nothing is told from the writer thread"
@@ -184,33 +192,33 @@ def test_writer_error_is_raised_on_the_training_thread_and_the_previous_checkpoi
     assert [name for name, _ in events] == ["checkpoint_abandoned"]
     assert verify_checkpoint(previous).step == 4
     manager.poll()  # raised once, then cleared
-    resumed = _state(data, seed=1)
-    assert _manager(tmp_path, attempt=2).resume(resumed).path == previous  # type: ignore[union-attr]
+    resumed = training_state(data, seed=1)
+    assert checkpoint_manager(tmp_path, attempt=2).resume(resumed).path == previous  # type: ignore[union-attr]
 
 
 def test_synchronous_save_raises_the_error_of_the_save_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = _data()
-    state = _state(data)
-    manager = _manager(tmp_path)
+    data = training_data()
+    state = training_state(data)
+    manager = checkpoint_manager(tmp_path)
     monkeypatch.setenv("TRACKS_FAULT_ENOSPC_AT_STEP", "2")
-    _steps(state, data, 2)
+    train_steps(state, data, 2)
     manager.save_async(state)
-    _steps(state, data, 2)
+    train_steps(state, data, 2)
     with pytest.raises(OSError, match="No space left on device"):
         manager.save(state)
     assert checkpoint_dirs(manager.run_dir) == []
 
 
 def test_sync_and_async_saves_write_identical_bytes(tmp_path: Path) -> None:
-    data = _data()
-    one = _state(data)  # seeds the global RNG (dropout): build and train one run at a time
-    _steps(one, data, 3)
-    sync = _manager(tmp_path / "sync").save(one, metrics={"eval_loss": 0.5}).path
-    two = _state(data)
-    _steps(two, data, 3)
-    manager = _manager(tmp_path / "async")
+    data = training_data()
+    one = training_state(data)  # seeds the global RNG (dropout): build and train one run at a time
+    train_steps(one, data, 3)
+    sync = checkpoint_manager(tmp_path / "sync").save(one, metrics={"eval_loss": 0.5}).path
+    two = training_state(data)
+    train_steps(two, data, 3)
+    manager = checkpoint_manager(tmp_path / "async")
     manager.save_async(two, metrics={"eval_loss": 0.5})
     manager.wait()
     (asynchronous,) = checkpoint_dirs(manager.run_dir)
@@ -249,27 +257,27 @@ def test_a_synchronous_save_writes_the_live_tensors_and_hashes_on_every_core(
     monkeypatch.setattr(manager_module, "usable_cores", lambda: 3)
     intra_op_threads = [1]
     monkeypatch.setattr(torch, "get_num_threads", lambda: intra_op_threads[0])
-    data = _data()
-    state = _state(data)
-    _steps(state, data, 3)
-    manager = _manager(tmp_path)
+    data = training_data()
+    state = training_state(data)
+    train_steps(state, data, 3)
+    manager = checkpoint_manager(tmp_path)
     manager.save(state)
     assert manager._buffers.nbytes == 0  # nothing staged: the live tensors were written
     assert {n for where, n in threads if where == "writer"} == {3}
     threads.clear()
-    _steps(state, data, 1)
+    train_steps(state, data, 1)
     manager.save_async(state)
     manager.wait()
     assert manager._buffers.nbytes > 0
     assert {n for where, n in threads if where == "writer"} == {2}  # 3 cores, 1 trains
     threads.clear()
     intra_op_threads[0] = 3  # a loop that takes every core still leaves the writer one
-    _steps(state, data, 1)
+    train_steps(state, data, 1)
     manager.save_async(state)
     manager.wait()
     assert {n for where, n in threads if where == "writer"} == {1}
     threads.clear()
-    _manager(tmp_path, attempt=2).resume(_state(data, seed=5))
+    checkpoint_manager(tmp_path, attempt=2).resume(training_state(data, seed=5))
     # The tensor files on every core (a small JSON file read on its own may use one).
     assert [n for where, n in threads if where == "verify"].count(3) >= 2
 
@@ -307,10 +315,10 @@ def test_streamed_tensor_files_are_safetensors_and_parse_back_as_views() -> None
 
 
 def test_tensor_file_whose_header_lies_is_a_corrupt_checkpoint(tmp_path: Path) -> None:
-    data = _data()
-    state = _state(data)
-    _steps(state, data, 1)
-    path = _manager(tmp_path).save(state).path
+    data = training_data()
+    state = training_state(data)
+    train_steps(state, data, 1)
+    path = checkpoint_manager(tmp_path).save(state).path
     # Rewrite model.safetensors with offsets past the end, and re-vouch for it in the manifest:
     # the bytes match their hashes but do not parse.
     model = path / MODEL_FILE
@@ -333,11 +341,13 @@ def test_tensor_file_whose_header_lies_is_a_corrupt_checkpoint(tmp_path: Path) -
 
 def _committed_without_marker(tmp_path: Path, state: TrainingState, data: TrainingData) -> Path:
     """What a stale attempt leaves when stopped between its ledger commit and COMMITTED."""
-    book = _ledger_run(tmp_path)
-    manager = _manager(tmp_path, ledger=book.ledger, attempt=book.attempt_no, token=book.token)
-    _steps(state, data, 4)
+    book = ledger_run(tmp_path)
+    manager = checkpoint_manager(
+        tmp_path, ledger=book.ledger, attempt=book.attempt_no, token=book.token
+    )
+    train_steps(state, data, 4)
     manager.save(state)
-    _steps(state, data, 4)
+    train_steps(state, data, 4)
     newest = manager.save(state).path
     (newest / COMMITTED_FILE).unlink()
     return newest
@@ -346,17 +356,16 @@ def _committed_without_marker(tmp_path: Path, state: TrainingState, data: Traini
 def test_ledger_commit_without_committed_marker_is_marked_corrupt_after_taking_the_token(
     tmp_path: Path,
 ) -> None:
-    data = _data()
-    newest = _committed_without_marker(tmp_path, _state(data), data)
+    data = training_data()
+    newest = _committed_without_marker(tmp_path, training_state(data), data)
     from pipeline.ledger import Ledger
-    from tests.test_checkpoint import _begin
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    resumed_state = _state(data, seed=3)
-    manager = _manager(tmp_path, ledger=ledger, attempt=2)
+    resumed_state = training_state(data, seed=3)
+    manager = checkpoint_manager(tmp_path, ledger=ledger, attempt=2)
     resumed = manager.resume(resumed_state)
     assert resumed is not None and resumed.step == 4
-    attempt_no, token = _begin(ledger)
+    attempt_no, token = begin_attempt(ledger)
     manager.bind_attempt(attempt_no, token)
     assert manager.reconcile_with_ledger(resumed_state, resumed) == resumed
     record = ledger.get_checkpoint(str(newest))
@@ -368,21 +377,20 @@ def test_ledger_commit_without_committed_marker_is_marked_corrupt_after_taking_t
 def test_commit_renamed_after_resume_looked_is_picked_up_after_taking_the_token(
     tmp_path: Path,
 ) -> None:
-    data = _data()
-    newest = _committed_without_marker(tmp_path, _state(data), data)
+    data = training_data()
+    newest = _committed_without_marker(tmp_path, training_state(data), data)
     from pipeline.ledger import Ledger
-    from tests.test_checkpoint import _begin
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    resumed_state = _state(data, seed=3)
-    manager = _manager(tmp_path, ledger=ledger, attempt=2)
+    resumed_state = training_state(data, seed=3)
+    manager = checkpoint_manager(tmp_path, ledger=ledger, attempt=2)
     resumed = manager.resume(resumed_state)
     assert resumed is not None and resumed.step == 4
     # The stale attempt wakes and renames COMMITTED into place before we take the token.
     (newest / COMMITTED_FILE).write_text(
         json.dumps({**json.loads(json.dumps(_commit_payload(newest)))})
     )
-    attempt_no, token = _begin(ledger)
+    attempt_no, token = begin_attempt(ledger)
     manager.bind_attempt(attempt_no, token)
     again = manager.reconcile_with_ledger(resumed_state, resumed)
     assert again is not None and again.step == 8 and resumed_state.step == 8
@@ -404,8 +412,8 @@ def _commit_payload(directory: Path) -> dict:
 def test_retention_removes_dead_attempts_half_written_dirs_but_not_newer_ones(
     tmp_path: Path,
 ) -> None:
-    data = _data()
-    state = _state(data)
+    data = training_data()
+    state = training_state(data)
     run_dir = tmp_path / "store" / RUN_ID
     leftovers = {
         name: run_dir / name
@@ -418,8 +426,8 @@ def test_retention_removes_dead_attempts_half_written_dirs_but_not_newer_ones(
     for directory in leftovers.values():
         directory.mkdir(parents=True)
         (directory / MODEL_FILE).write_bytes(b"half")
-    manager = _manager(tmp_path, attempt=2)
-    _steps(state, data, 6)
+    manager = checkpoint_manager(tmp_path, attempt=2)
+    train_steps(state, data, 6)
     manager.save(state)
     assert not leftovers["step-0000000002-a01"].exists()
     assert leftovers["step-0000000009-a01"].exists()
@@ -435,10 +443,10 @@ def test_probe_runs_on_the_staged_weights_in_the_writer_and_matches_the_live_mod
     from pipeline.checkpoint import state as state_module
     from pipeline.checkpoint.state import ProbeSkeleton
 
-    data = _data()
-    state = _state(data)
-    manager = _manager(tmp_path)
-    _steps(state, data, 2)
+    data = training_data()
+    state = training_state(data)
+    manager = checkpoint_manager(tmp_path)
+    train_steps(state, data, 2)
     manager.save_async(state)  # the first: probe on the training thread, skeleton checked
     manager.wait()
     assert isinstance(manager._skeleton, ProbeSkeleton)
@@ -449,7 +457,7 @@ def test_probe_runs_on_the_staged_weights_in_the_writer_and_matches_the_live_mod
         "probe_logits",
         lambda *a: (live_probes.append(threading.current_thread().name), real(*a))[1],
     )
-    _steps(state, data, 3)
+    train_steps(state, data, 3)
     manager.save_async(state)
     manager.wait()
     assert live_probes == [], "the staging stall no longer runs the probe batch"
@@ -457,22 +465,22 @@ def test_probe_runs_on_the_staged_weights_in_the_writer_and_matches_the_live_mod
     (newest, _) = checkpoint_dirs(manager.run_dir)
     twin = _twin_run(tmp_path, data, 5)
     assert (newest / "probe.safetensors").read_bytes() == (twin / "probe.safetensors").read_bytes()
-    resumed = _state(data, seed=9)
-    assert _manager(tmp_path, attempt=2).resume(resumed).path == newest  # type: ignore[union-attr]
+    resumed = training_state(data, seed=9)
+    assert checkpoint_manager(tmp_path, attempt=2).resume(resumed).path == newest  # type: ignore[union-attr]
 
 
 def test_model_with_non_persistent_buffers_keeps_the_probe_on_the_training_thread(
     tmp_path: Path,
 ) -> None:
-    data = _data()
-    state = _state(data)
+    data = training_data()
+    state = training_state(data)
     state.model.register_buffer("scale", torch.ones(1), persistent=False)
-    manager = _manager(tmp_path)
-    _steps(state, data, 1)
+    manager = checkpoint_manager(tmp_path)
+    train_steps(state, data, 1)
     manager.save_async(state)
     manager.wait()
     assert manager._skeleton is False
-    _steps(state, data, 1)
+    train_steps(state, data, 1)
     manager.save_async(state)
     manager.wait()
     assert verify_checkpoint(checkpoint_dirs(manager.run_dir)[0]).step == 2
@@ -498,17 +506,17 @@ def _slow_background_copy(monkeypatch: pytest.MonkeyPatch, seconds: float) -> li
 def test_optimizer_step_waits_for_the_background_copy_of_parameters_and_optimizer_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = _data()
-    state = _state(data)
-    manager = _manager(tmp_path)
-    _steps(state, data, 2)
+    data = training_data()
+    state = training_state(data)
+    manager = checkpoint_manager(tmp_path)
+    train_steps(state, data, 2)
     manager.save_async(state)  # the first save stages everything on the training thread
     manager.wait()
     threads = _slow_background_copy(monkeypatch, 0.5)
-    _steps(state, data, 3)
+    train_steps(state, data, 3)
     manager.save_async(state, metrics={"eval_loss": 1.0})
     assert manager.last_stall is not None and manager.last_stall.capture < 0.4
-    _steps(state, data, 4)  # optimizer.step() must hold until the copy of step 5 is done
+    train_steps(state, data, 4)  # optimizer.step() must hold until the copy of step 5 is done
     manager.wait()
     assert threads and all(name.startswith("checkpoint-writer") for name in threads)
     assert manager.last_stall.step == 5 and manager.last_stall.staging_wait >= 0.3
@@ -534,7 +542,7 @@ def test_buffers_that_forward_changes_are_captured_when_the_save_starts(
         config_sha256="d" * 64,
         probe_inputs=torch.randn(3, 4),
     )
-    manager = _manager(tmp_path)
+    manager = checkpoint_manager(tmp_path)
     manager.save_async(state)
     manager.wait()
     _slow_background_copy(monkeypatch, 0.3)

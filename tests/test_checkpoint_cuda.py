@@ -22,8 +22,8 @@ from pipeline.checkpoint import manager as manager_module
 from pipeline.checkpoint.codec import encode_state
 from pipeline.checkpoint.state import StagingBuffers
 from pipeline.checkpoint.verify import read_verified_into
-from tests.test_checkpoint import _manager
-from tests.test_checkpoint_read import _tensors, _write
+from tests.checkpoint_read_support import block_edge_tensors, write_tensor_file
+from tests.checkpoint_support import checkpoint_manager
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)"
@@ -82,7 +82,7 @@ def test_async_save_of_a_gpu_model_copies_on_a_side_stream_into_pinned_buffers(
     tmp_path: Path,
 ) -> None:
     state = _cuda_state()
-    manager = _manager(tmp_path)
+    manager = checkpoint_manager(tmp_path)
     _step(state)
     manager.save_async(state)  # the first save stages everything on the training thread
     manager.wait()
@@ -122,7 +122,7 @@ def test_optimizer_step_waits_for_the_copies_on_the_gpu_while_the_host_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state = _cuda_state()
-    manager = _manager(tmp_path)
+    manager = checkpoint_manager(tmp_path)
     _step(state)
     manager.save_async(state)
     manager.wait()
@@ -161,8 +161,8 @@ def test_a_file_is_read_straight_into_gpu_tensors_byte_for_byte_across_block_edg
 ) -> None:
     monkeypatch.setattr(direct_io, "READ_BLOCK", 8192)
     monkeypatch.setattr(verify, "DIRECT_MIN_BYTES", 64 * 1024)
-    tensors = _tensors()
-    listed = _write(tmp_path / "model.safetensors", tensors)
+    tensors = block_edge_tensors()
+    listed = write_tensor_file(tmp_path / "model.safetensors", tensors)
     into = {n: torch.zeros_like(t, device="cuda") for n, t in tensors.items() if n != "half"}
     pointers = {n: t.data_ptr() for n, t in into.items()}
     read = read_verified_into(tmp_path, listed, into)
@@ -181,7 +181,7 @@ def test_resume_onto_a_gpu_reads_into_the_live_tensors_without_a_rollback_copy(
     for _ in range(3):
         _step(state)
     expected = _snapshot(state)
-    _manager(tmp_path).save(state)
+    checkpoint_manager(tmp_path).save(state)
     resumed = _cuda_state()
     _step(resumed)  # Adam's moments exist to be read into
     pointers = {k: v.data_ptr() for k, v in _live(resumed).items() if v.is_cuda}
@@ -190,7 +190,7 @@ def test_resume_onto_a_gpu_reads_into_the_live_tensors_without_a_rollback_copy(
         raise AssertionError("resume copied the live state although it read into it")
 
     monkeypatch.setattr(manager_module, "stage_checkpoint", no_rollback_copy)
-    info = _manager(tmp_path, attempt=2).resume(resumed)
+    info = checkpoint_manager(tmp_path, attempt=2).resume(resumed)
     assert info is not None and info.step == 3 and resumed.step == 3
     after = _live(resumed)
     assert {k: after[k].data_ptr() for k in pointers} == pointers

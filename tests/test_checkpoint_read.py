@@ -17,11 +17,11 @@ from pathlib import Path
 import blake3
 import pytest
 import torch
-from safetensors.torch import save as safetensors_bytes
 
 from pipeline.checkpoint import CorruptCheckpointError, direct_io, verify
 from pipeline.checkpoint.verify import ListedFile, read_verified, read_verified_into
 from pipeline.digests import DigestAlgorithm
+from tests.checkpoint_read_support import block_edge_tensors, write_tensor_file
 
 
 @pytest.fixture
@@ -40,33 +40,14 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return direct
 
 
-def _tensors() -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    tensors = {
-        # Long names: a header of about 40 KB, five blocks before the first data byte.
-        f"layer.{i:03d}.{'weight' * 30}": torch.randn(7 + i, generator=generator)
-        for i in range(150)
-    }
-    tensors["big"] = torch.randn(300_001, generator=generator)  # ends off the block grid
-    tensors["half"] = torch.randn(1023, generator=generator).to(torch.float16)
-    return tensors
-
-
-def _write(path: Path, tensors: dict[str, torch.Tensor]) -> ListedFile:
-    raw = safetensors_bytes(tensors)
-    path.write_bytes(raw)
-    assert len(raw) % 4096 != 0
-    return ListedFile(path.name, len(raw), DigestAlgorithm.BLAKE3, blake3.blake3(raw).hexdigest())
-
-
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "page_cache"])
 def test_tensors_land_in_place_byte_for_byte_across_block_edges(
     tmp_path: Path, small_blocks: list[bool], monkeypatch: pytest.MonkeyPatch, direct: bool
 ) -> None:
     if not direct:
         monkeypatch.setattr(direct_io, "use_direct_io", lambda fd, on=True: False)
-    tensors = _tensors()
-    listed = _write(tmp_path / "model.safetensors", tensors)
+    tensors = block_edge_tensors()
+    listed = write_tensor_file(tmp_path / "model.safetensors", tensors)
     # Destinations for all but two tensors: those are spilled into a fresh buffer.
     into = {n: torch.zeros_like(t) for n, t in tensors.items() if n not in ("half", "layer.007")}
     into = {n: t for n, t in into.items() if not n.startswith("layer.007.")}
@@ -93,8 +74,8 @@ def test_a_destination_on_a_device_bytes_cannot_be_copied_to_is_spilled_instead(
     tmp_path: Path, small_blocks: list[bool]
 ) -> None:
     """A copy into a meta tensor succeeds and keeps nothing: read into, it would lose the bytes."""
-    tensors = _tensors()
-    listed = _write(tmp_path / "model.safetensors", tensors)
+    tensors = block_edge_tensors()
+    listed = write_tensor_file(tmp_path / "model.safetensors", tensors)
     into = {"big": torch.empty(300_001, device="meta"), "half": torch.zeros(1023).half()}
     read = read_verified_into(tmp_path, listed, into)
     assert read.in_place and not read.whole
@@ -109,7 +90,7 @@ def test_a_file_whose_size_changed_is_refused_and_no_reader_is_left_behind(
     tmp_path: Path, small_blocks: list[bool], change: str
 ) -> None:
     path = tmp_path / "model.safetensors"
-    listed = _write(path, _tensors())
+    listed = write_tensor_file(path, block_edge_tensors())
     raw = path.read_bytes()
     path.write_bytes(raw + b"\0" * 100_000 if change == "longer" else raw[:-5000])
     before = threading.active_count()
@@ -128,7 +109,7 @@ def test_a_file_whose_size_changed_is_refused_and_no_reader_is_left_behind(
 def test_a_filesystem_that_takes_the_flag_but_refuses_the_read_is_read_through_the_cache(
     tmp_path: Path, small_blocks: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    listed = _write(tmp_path / "model.safetensors", _tensors())
+    listed = write_tensor_file(tmp_path / "model.safetensors", block_edge_tensors())
     counting = direct_io.os.preadv
 
     def refuse_direct(fd: int, buffers: list[memoryview], offset: int) -> int:
@@ -145,7 +126,7 @@ def test_a_filesystem_that_takes_the_flag_but_refuses_the_read_is_read_through_t
 def test_a_read_error_reaches_the_caller_with_its_errno(
     tmp_path: Path, small_blocks: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    listed = _write(tmp_path / "model.safetensors", _tensors())
+    listed = write_tensor_file(tmp_path / "model.safetensors", block_edge_tensors())
     counting = direct_io.os.preadv
 
     def failing(fd: int, buffers: list[memoryview], offset: int) -> int:
@@ -167,7 +148,7 @@ def test_blocks_that_arrive_out_of_order_or_short_are_handed_out_in_file_order(
     """Two threads read each file: a block that lands first waits for the one before it, and a
     read the kernel cuts short mid-file is finished, never taken for the end of the file."""
     path = tmp_path / "model.safetensors"
-    listed = _write(path, _tensors())
+    listed = write_tensor_file(path, block_edge_tensors())
     counting = direct_io.os.preadv
     first_done = threading.Event()
     order: list[int] = []

@@ -21,7 +21,7 @@ from pipeline.definitions import build_definitions
 from pipeline.digests import sha256_bytes
 from pipeline.ledger import EvaluationRecord, Ledger
 from pipeline.settings import TracksSettings
-from tests.test_canary import small_checkpoint
+from tests.trainer_support import small_checkpoint
 
 SHA = "5a" * 32
 OTHER_SHA = "0b" * 32

@@ -31,7 +31,7 @@ from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings
 from pipeline.trainer import exit_codes
 from sensors import materialize_snapshot
-from tests.test_trainer_process import write_config
+from tests.trainer_support import write_config
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -31,23 +31,13 @@ from pipeline.ledger import EvaluationRecord, Ledger
 from pipeline.ledger.ledger import utcnow
 from pipeline.states import EvaluationStatus, TerminationReason
 from pipeline.trainer.model import build_model
-
-try:  # tests/ as a package (or the repo root on sys.path), else tests/ itself on sys.path
-    from tests.test_evaluation_support import (
-        World,
-        manifest_sha256,
-        open_ledger,
-        shared_world,
-        write_checkpoint,
-    )
-except ModuleNotFoundError:
-    from test_evaluation_support import (
-        World,
-        manifest_sha256,
-        open_ledger,
-        shared_world,
-        write_checkpoint,
-    )
+from tests.evaluation_support import (
+    World,
+    manifest_sha256,
+    open_ledger,
+    shared_world,
+    write_checkpoint,
+)
 
 RUN_ID = "run-eval"
 

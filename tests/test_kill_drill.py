@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.kill_drill import Drill, ForkServer, Reference, make_snapshot, run_reference
-from bench.kill_drill import write_config as write_drill_config
+from bench.kill_drill import Drill, ForkServer, Reference, run_reference
 from pipeline.checkpoint import verify_checkpoint
 from pipeline.trainer import exit_codes
+from tests.distributed_support import drill_config
 
 MAX_STEPS = 60
 INTERVAL = 2
@@ -48,14 +48,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def config(workdir: Path) -> Path:
-    snapshot = make_snapshot(workdir / "data")
-    return write_drill_config(
-        workdir / "config",
-        snapshot,
-        max_steps=MAX_STEPS,
-        checkpoint_every_steps=INTERVAL,
-        keep_last_k=KEEP_LAST_K,
-    )
+    return drill_config(workdir, max_steps=MAX_STEPS, interval=INTERVAL, keep_last_k=KEEP_LAST_K)
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ from mlflow import MlflowClient
 
 from pipeline.tracking import RUN_TAG, TRAINING_EXPERIMENT
 from pipeline.trainer import exit_codes
-from tests.test_trainer_process import Trainer, snapshot_dir, write_config  # noqa: F401
+from tests.trainer_support import Trainer, write_config
 
 MAX_STEPS = 60
 
 
 def test_a_run_preempted_twice_has_one_value_per_step_in_one_mlflow_run(
-    snapshot_dir: Path,  # noqa: F811 - the fixture imported above
+    snapshot_dir: Path,
     tmp_path: Path,
 ) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -27,7 +27,13 @@ from pipeline.ledger import AttemptStart, Ledger
 from pipeline.safepath import UnsafePathError
 from pipeline.states import CheckpointState
 from pipeline.trainer import exit_codes
-from tests.test_checkpoint import RUN_ID, _data, _manager, _save_at, _state
+from tests.checkpoint_support import (
+    RUN_ID,
+    checkpoint_manager,
+    save_at,
+    training_data,
+    training_state,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 BAD_RUN_IDS = ["../../x", "/tmp/abs", "", ".", "./victim", "a/b", "x" * 300, "run\n"]
@@ -102,9 +108,9 @@ def test_one_run_can_never_mark_another_runs_checkpoints(ledger_url: str, tmp_pa
 
 
 def _three_checkpoints(tmp_path: Path) -> list[Path]:
-    data = _data()
-    state = _state(data)
-    return _save_at(_manager(tmp_path), state, data, [10, 20, 30])
+    data = training_data()
+    state = training_state(data)
+    return save_at(checkpoint_manager(tmp_path), state, data, [10, 20, 30])
 
 
 def test_a_symlinked_tensor_file_is_refused_and_resume_uses_the_previous(tmp_path: Path) -> None:
@@ -119,9 +125,9 @@ def test_a_symlinked_tensor_file_is_refused_and_resume_uses_the_previous(tmp_pat
         verify_checkpoint(paths[-1])
     with pytest.raises(CorruptCheckpointError, match="symlink"):
         load_checkpoint(paths[-1])
-    data = _data()
-    resumed = _state(data, seed=3)
-    info = _manager(tmp_path, attempt=2).resume(resumed)
+    data = training_data()
+    resumed = training_state(data, seed=3)
+    info = checkpoint_manager(tmp_path, attempt=2).resume(resumed)
     assert info is not None and info.path == paths[1]
     assert (paths[-1] / CORRUPT_FILE).is_file()  # ruled out on disk, no ledger needed
 
@@ -137,17 +143,17 @@ def test_a_symlinked_checkpoint_folder_is_never_a_checkpoint(tmp_path: Path) -> 
 
 
 def test_retention_without_a_ledger_does_not_count_a_corrupt_checkpoint(tmp_path: Path) -> None:
-    data = _data()
-    state = _state(data)
-    manager = _manager(tmp_path, keep_last_k=2)
-    paths = _save_at(manager, state, data, [10, 20])
+    data = training_data()
+    state = training_state(data)
+    manager = checkpoint_manager(tmp_path, keep_last_k=2)
+    paths = save_at(manager, state, data, [10, 20])
     # The newest is damaged; a new attempt falls back to step 10 and trains on.
     blob = (paths[-1] / MODEL_FILE).read_bytes()
     (paths[-1] / MODEL_FILE).write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
-    resumed = _state(data, seed=5)
-    resumer = _manager(tmp_path, attempt=2, keep_last_k=2)
+    resumed = training_state(data, seed=5)
+    resumer = checkpoint_manager(tmp_path, attempt=2, keep_last_k=2)
     assert resumer.resume(resumed).path == paths[0]
-    newer = _save_at(resumer, resumed, data, [20, 30])
+    newer = save_at(resumer, resumed, data, [20, 30])
     # keep_last_k=2 keeps two GOOD checkpoints: the corrupt one is not counted (nor deleted).
     assert checkpoint_dirs(paths[0].parent) == [newer[1], newer[0]]
     for path in newer:

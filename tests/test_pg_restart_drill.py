@@ -30,7 +30,7 @@ from pipeline.ledger import Ledger
 from pipeline.states import CheckpointState
 from pipeline.trainer import exit_codes
 from tests.pg_server import PrivatePostgres
-from tests.test_trainer_process import write_config
+from tests.trainer_support import write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

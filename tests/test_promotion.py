@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,34 +12,20 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.data import read_snapshot_frame
-from pipeline.evaluation import run_evaluation
 from pipeline.ledger import EvaluationRecord, Ledger, PromotionRecord
 from pipeline.mlflow_setup import configure_mlflow
 from pipeline.promotion import QualityGate, champion_version, promote
 from pipeline.states import PromotionDecision
+from tests.evaluation_support import (
+    World,
+    manifest_sha256,
+    open_ledger,
+    shared_world,
+    without_class,
+    write_checkpoint,
+)
+from tests.promotion_support import PIXELS, crown, evaluate_checkpoint, promote_checkpoint
 
-try:  # tests/ as a package (or the repo root on sys.path), else tests/ itself on sys.path
-    from tests.test_evaluation_support import (
-        World,
-        manifest_sha256,
-        open_ledger,
-        record_committed,
-        shared_world,
-        without_class,
-        write_checkpoint,
-    )
-except ModuleNotFoundError:
-    from test_evaluation_support import (
-        World,
-        manifest_sha256,
-        open_ledger,
-        record_committed,
-        shared_world,
-        without_class,
-        write_checkpoint,
-    )
-
-PIXELS = [f"px_{i:02d}" for i in range(64)]
 # Thresholds out of the way, so a test sees only the rule it is about.
 SLICES_ONLY = QualityGate(min_metrics={}, max_slice_regression=0.03)
 
@@ -48,53 +33,6 @@ SLICES_ONLY = QualityGate(min_metrics={}, max_slice_regression=0.03)
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     return shared_world(tmp_path_factory.getbasetemp())
-
-
-def _evaluate(
-    world: World,
-    ledger: Ledger,
-    checkpoint: Path,
-    run_id: str,
-    evaluators: Sequence[str] = ("holdout_accuracy", "noise_robustness"),
-) -> list[EvaluationRecord]:
-    return [
-        run_evaluation(
-            checkpoint_dir=checkpoint,
-            snapshot=world.snapshot,
-            ledger=ledger,
-            settings=world.settings,
-            evaluator=name,
-            run_id=run_id,
-            attempt_no=1,
-        )
-        for name in evaluators
-    ]
-
-
-def _promote(
-    world: World, ledger: Ledger, checkpoint: Path, run_id: str, model_name: str, **kw: object
-) -> PromotionRecord:
-    record_committed(ledger, checkpoint, world.snapshot.snapshot_id)  # as training would have
-    return promote(
-        ledger=ledger,
-        settings=world.settings,
-        run_id=run_id,
-        attempt_no=1,
-        checkpoint_dir=checkpoint,
-        snapshot_id=world.snapshot.snapshot_id,
-        model_name=model_name,
-        **kw,
-    )
-
-
-def _crown(world: World, tmp_path: Path, run_id: str, model_name: str) -> Path:
-    """Version 1 of ``model_name`` promoted from ``run_id``, recorded in a ledger of its own
-    (``first.db``); its checkpoint."""
-    ledger = open_ledger(tmp_path / "first.db", world.snapshot.snapshot_id, run_id)
-    checkpoint = write_checkpoint(tmp_path, world.good_state, run_id=run_id)
-    _evaluate(world, ledger, checkpoint, run_id)
-    assert _promote(world, ledger, checkpoint, run_id, model_name).model_version == "1"
-    return checkpoint
 
 
 @dataclass(frozen=True)
@@ -114,8 +52,8 @@ def champion(world: World, tmp_path_factory: pytest.TempPathFactory) -> Champion
         base / "ledger.db", world.snapshot.snapshot_id, "run-good", "run-degraded", "run-untrained"
     )
     checkpoint = write_checkpoint(base / "checkpoints", world.good_state, run_id="run-good")
-    evaluations = _evaluate(world, ledger, checkpoint, "run-good")
-    promotion = _promote(world, ledger, checkpoint, "run-good", Champion.model_name)
+    evaluations = evaluate_checkpoint(world, ledger, checkpoint, "run-good")
+    promotion = promote_checkpoint(world, ledger, checkpoint, "run-good", Champion.model_name)
     return Champion(ledger, checkpoint, evaluations, promotion)
 
 
@@ -185,8 +123,8 @@ def test_slice_regression_against_the_champion_is_refused(
     world: World, champion: Champion, tmp_path: Path
 ) -> None:
     degraded = write_checkpoint(tmp_path, without_class(world.good_state, 3), run_id="run-degraded")
-    _evaluate(world, champion.ledger, degraded, "run-degraded")
-    record = _promote(
+    evaluate_checkpoint(world, champion.ledger, degraded, "run-degraded")
+    record = promote_checkpoint(
         world, champion.ledger, degraded, "run-degraded", champion.model_name, gate=SLICES_ONLY
     )
 
@@ -203,8 +141,10 @@ def test_slice_regression_against_the_champion_is_refused(
 
 def test_threshold_failure_is_refused(world: World, champion: Champion, tmp_path: Path) -> None:
     untrained = write_checkpoint(tmp_path, world.untrained_state, run_id="run-untrained")
-    _evaluate(world, champion.ledger, untrained, "run-untrained")
-    record = _promote(world, champion.ledger, untrained, "run-untrained", champion.model_name)
+    evaluate_checkpoint(world, champion.ledger, untrained, "run-untrained")
+    record = promote_checkpoint(
+        world, champion.ledger, untrained, "run-untrained", champion.model_name
+    )
 
     assert record.decision == PromotionDecision.REFUSED
     assert "holdout_accuracy.accuracy 0." in record.reason and "< 0.9" in record.reason
@@ -222,7 +162,9 @@ def test_threshold_failure_is_refused(world: World, champion: Champion, tmp_path
 def test_promoting_the_champion_again_returns_the_recorded_promotion(
     world: World, champion: Champion
 ) -> None:
-    again = _promote(world, champion.ledger, champion.checkpoint, "run-good", champion.model_name)
+    again = promote_checkpoint(
+        world, champion.ledger, champion.checkpoint, "run-good", champion.model_name
+    )
     assert again == champion.promotion
     client = MlflowClient(world.settings.mlflow_tracking_uri)
     versions = client.search_model_versions(f"name='{champion.model_name}'")
@@ -232,8 +174,10 @@ def test_promoting_the_champion_again_returns_the_recorded_promotion(
 def test_missing_evaluator_is_refused_with_reason(world: World, tmp_path: Path) -> None:
     ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, "run-partial")
     checkpoint = write_checkpoint(tmp_path, world.good_state, run_id="run-partial")
-    _evaluate(world, ledger, checkpoint, "run-partial", evaluators=["holdout_accuracy"])
-    record = _promote(world, ledger, checkpoint, "run-partial", "digits-missing-evaluator")
+    evaluate_checkpoint(world, ledger, checkpoint, "run-partial", evaluators=["holdout_accuracy"])
+    record = promote_checkpoint(
+        world, ledger, checkpoint, "run-partial", "digits-missing-evaluator"
+    )
 
     sha12 = manifest_sha256(checkpoint)[:12]
     assert record.decision == PromotionDecision.REFUSED
@@ -248,14 +192,14 @@ def test_second_promotion_records_the_previous_champion(world: World, tmp_path: 
     name = "digits-succession"
     ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, "run-1", "run-2")
     first = write_checkpoint(tmp_path, world.good_state, run_id="run-1")
-    _evaluate(world, ledger, first, "run-1")
-    assert _promote(world, ledger, first, "run-1", name).model_version == "1"
+    evaluate_checkpoint(world, ledger, first, "run-1")
+    assert promote_checkpoint(world, ledger, first, "run-1", name).model_version == "1"
 
     # The same weights saved by a later run at a later step: a new checkpoint, no regression.
     second = write_checkpoint(tmp_path, world.good_state, run_id="run-2", step=800)
     assert manifest_sha256(second) != manifest_sha256(first)
-    _evaluate(world, ledger, second, "run-2")
-    record = _promote(world, ledger, second, "run-2", name)
+    evaluate_checkpoint(world, ledger, second, "run-2")
+    record = promote_checkpoint(world, ledger, second, "run-2", name)
 
     assert record.decision == PromotionDecision.PROMOTED, record.reason
     assert (record.model_version, record.previous_champion_version) == ("2", "1")
@@ -269,12 +213,12 @@ def test_a_promotion_whose_ledger_row_was_lost_is_recorded_without_a_second_vers
     world: World, tmp_path: Path
 ) -> None:
     name = "digits-repair"
-    checkpoint = _crown(world, tmp_path, "run-r", name)
+    checkpoint = crown(world, tmp_path, "run-r", name)
 
     # As if the process died after moving the alias but before writing the ledger row.
     ledger = open_ledger(tmp_path / "second.db", world.snapshot.snapshot_id, "run-r")
-    _evaluate(world, ledger, checkpoint, "run-r")
-    record = _promote(world, ledger, checkpoint, "run-r", name)
+    evaluate_checkpoint(world, ledger, checkpoint, "run-r")
+    record = promote_checkpoint(world, ledger, checkpoint, "run-r", name)
 
     assert record.decision == PromotionDecision.PROMOTED, record.reason
     assert record.model_version == "1"
@@ -319,9 +263,9 @@ def test_tampered_weights_or_planted_code_are_refused_and_never_run(
 
     ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, "run-served")
     checkpoint = write_checkpoint(tmp_path / "ckpt", world.good_state, run_id="run-served")
-    _evaluate(world, ledger, checkpoint, "run-served")
+    evaluate_checkpoint(world, ledger, checkpoint, "run-served")
     model_name = "digits-served"
-    record = _promote(world, ledger, checkpoint, "run-served", model_name)
+    record = promote_checkpoint(world, ledger, checkpoint, "run-served", model_name)
     assert record.decision == PromotionDecision.PROMOTED, record.reason
     stored = _served_files(world, model_name)
     marker = tmp_path / "ran.txt"
@@ -361,7 +305,7 @@ def test_a_checkpoint_the_ledger_does_not_vouch_for_is_never_promoted(
 
     ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, "run-forged")
     forged = write_checkpoint(tmp_path / "ckpt", world.good_state, run_id="run-forged")
-    _evaluate(world, ledger, forged, "run-forged")
+    evaluate_checkpoint(world, ledger, forged, "run-forged")
     with pytest.raises(UnvouchedCheckpointError, match="not a checkpoint of run run-forged"):
         promote(
             ledger=ledger, settings=world.settings, run_id="run-forged", attempt_no=1,

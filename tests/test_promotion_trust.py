@@ -13,23 +13,8 @@ from pipeline.data import read_snapshot_frame
 from pipeline.digests import sha256_bytes
 from pipeline.ledger import EvaluationRecord, Ledger, PromotionRecord
 from pipeline.states import PromotionDecision
-
-try:  # tests/ as a package (or the repo root on sys.path), else tests/ itself on sys.path
-    from tests.test_evaluation_support import (
-        World,
-        open_ledger,
-        shared_world,
-        write_checkpoint,
-    )
-    from tests.test_promotion import PIXELS, _crown, _evaluate, _promote
-except ModuleNotFoundError:
-    from test_evaluation_support import (
-        World,
-        open_ledger,
-        shared_world,
-        write_checkpoint,
-    )
-    from test_promotion import PIXELS, _crown, _evaluate, _promote
+from tests.evaluation_support import World, open_ledger, shared_world, write_checkpoint
+from tests.promotion_support import PIXELS, crown, evaluate_checkpoint, promote_checkpoint
 
 # The module, where promote() looks up the functions these tests replace.
 promote_module = importlib.import_module("pipeline.promotion.promote")
@@ -47,7 +32,7 @@ def _store_with_donor(
     ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, run_id)
     checkpoint = write_checkpoint(tmp_path / "ckpt", world.good_state, run_id=run_id)
     donor = write_checkpoint(tmp_path / "donor", world.untrained_state, run_id="run-donor")
-    return ledger, checkpoint, donor, _evaluate(world, ledger, checkpoint, run_id)
+    return ledger, checkpoint, donor, evaluate_checkpoint(world, ledger, checkpoint, run_id)
 
 
 def _swap_weights(checkpoint: Path, donor: Path, *, rewrite_manifest: bool) -> None:
@@ -91,7 +76,7 @@ def test_weights_swapped_in_the_store_during_the_upload_are_never_vouched_for(
         return log_model(*args, **kwargs)
 
     monkeypatch.setattr(mlflow.pyfunc, "log_model", swap_then_log)
-    record = _promote(world, ledger, checkpoint, "run-upload", "digits-upload-swap")
+    record = promote_checkpoint(world, ledger, checkpoint, "run-upload", "digits-upload-swap")
 
     assert record.decision == PromotionDecision.PROMOTED, record.reason
     vouched = record.serving_manifest["files"]["weights"]
@@ -117,7 +102,7 @@ def test_weights_swapped_before_the_private_copy_refuse_the_promotion(
 
     monkeypatch.setattr(promote_module, "_require_ledger_committed", vouch_then_swap)
     with pytest.raises(ServedFilesChangedError, match=r"model\.safetensors now has sha256"):
-        _promote(world, ledger, checkpoint, "run-early", "digits-early-swap")
+        promote_checkpoint(world, ledger, checkpoint, "run-early", "digits-early-swap")
     assert champion_version(world.settings, "digits-early-swap") is None
 
 
@@ -125,13 +110,13 @@ def test_a_champion_with_no_evaluations_to_compare_against_refuses(
     world: World, tmp_path: Path
 ) -> None:
     name = "digits-no-baseline"
-    _crown(world, tmp_path, "run-c1", name)
+    crown(world, tmp_path, "run-c1", name)
 
     # A ledger that knows the champion only by its tag: none of its evaluations are here.
     ledger = open_ledger(tmp_path / "second.db", world.snapshot.snapshot_id, "run-c2")
     candidate = write_checkpoint(tmp_path, world.good_state, run_id="run-c2", step=800)
-    _evaluate(world, ledger, candidate, "run-c2")
-    record = _promote(world, ledger, candidate, "run-c2", name)
+    evaluate_checkpoint(world, ledger, candidate, "run-c2")
+    record = promote_checkpoint(world, ledger, candidate, "run-c2", name)
 
     assert record.decision == PromotionDecision.REFUSED, record.reason
     assert "champion version 1 has no complete holdout_accuracy evaluation" in record.reason
@@ -152,8 +137,11 @@ def test_a_champion_that_changes_during_the_promotion_is_not_overwritten(
         for i, run in enumerate(runs)
     }
     for run, checkpoint in checkpoints.items():
-        _evaluate(world, ledger, checkpoint, run)
-    assert _promote(world, ledger, checkpoints["run-v1"], "run-v1", name).model_version == "1"
+        evaluate_checkpoint(world, ledger, checkpoint, run)
+    assert (
+        promote_checkpoint(world, ledger, checkpoints["run-v1"], "run-v1", name).model_version
+        == "1"
+    )
 
     register = promote_module._register
     raced: list[PromotionRecord] = []
@@ -163,11 +151,13 @@ def test_a_champion_that_changes_during_the_promotion_is_not_overwritten(
         version = register(*args, **kwargs)
         if not racing:  # the other promotion, also compared against v1, finishes first
             racing.append(True)
-            raced.append(_promote(world, ledger, checkpoints["run-fast"], "run-fast", name))
+            raced.append(
+                promote_checkpoint(world, ledger, checkpoints["run-fast"], "run-fast", name)
+            )
         return version
 
     monkeypatch.setattr(promote_module, "_register", register_while_another_promotes)
-    slow = _promote(world, ledger, checkpoints["run-slow"], "run-slow", name)
+    slow = promote_checkpoint(world, ledger, checkpoints["run-slow"], "run-slow", name)
 
     fast = raced[0]
     assert (fast.decision, fast.model_version) == (PromotionDecision.PROMOTED, "3")

@@ -22,7 +22,13 @@ from pipeline.definitions import build_definitions
 from pipeline.ledger import AttemptStart, Ledger
 from pipeline.settings import TracksSettings
 from pipeline.states import TerminationReason
-from tests.test_checkpoint import RUN_ID
+from tests.checkpoint_support import (
+    RUN_ID,
+    checkpoint_manager,
+    ledger_run,
+    training_data,
+    training_state,
+)
 
 pytestmark = pytest.mark.slow
 RUN = "digits-cnn-continued"
@@ -125,11 +131,12 @@ def test_committed_checkpoint_states_what_it_verified_and_what_the_ledger_commit
     from assets.training import committed_checkpoint
     from pipeline.ledger import schema
     from resources import LedgerResource, StorageResource
-    from tests.test_checkpoint import _data, _ledger_run, _manager, _state
 
-    run = _ledger_run(tmp_path)
-    manager = _manager(tmp_path, ledger=run.ledger, attempt=run.attempt_no, token=run.token)
-    saved = manager.save(_state(_data())).path
+    run = ledger_run(tmp_path)
+    manager = checkpoint_manager(
+        tmp_path, ledger=run.ledger, attempt=run.attempt_no, token=run.token
+    )
+    saved = manager.save(training_state(training_data())).path
     run.ledger.end_attempt(
         RUN_ID, run.attempt_no, termination_reason=TerminationReason.SUCCEEDED,
         termination_detail="finished",
