@@ -24,7 +24,6 @@ import pytest
 import torch
 import yaml
 
-from bench.kill_drill import make_snapshot
 from bench.kill_drill import write_config as write_drill_config
 from pipeline.checkpoint import (
     CorruptCheckpointError,
@@ -37,6 +36,7 @@ from pipeline.distributed.launch import RankOutcome, decide_exit, end_deferred_a
 from pipeline.ledger import AttemptStart, Ledger
 from pipeline.trainer import exit_codes
 from tests.checkpoint_support import resign
+from tests.distributed_support import drill_config
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 160
@@ -51,14 +51,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def config(workdir: Path) -> Path:
-    snapshot = make_snapshot(workdir / "data")
-    return write_drill_config(
-        workdir / "config",
-        snapshot,
-        max_steps=MAX_STEPS,
-        checkpoint_every_steps=INTERVAL,
-        keep_last_k=2,
-    )
+    return drill_config(workdir, max_steps=MAX_STEPS, interval=INTERVAL, keep_last_k=2)
 
 
 def _launch(
@@ -308,14 +301,14 @@ def test_a_shard_changed_after_verification_is_caught_where_dcp_reads_it(
     every file verified is caught on the bytes DCP would parse, not loaded."""
     import shutil
 
-    from pipeline.checkpoint import sharded
+    from pipeline.checkpoint import sharded_read
 
     source = checkpoint_dirs(workdir / "reference" / "ref")[0]
     directory = workdir / "toctou" / "ref" / source.name
     shutil.copytree(source, directory)
     clean = load_checkpoint(directory)
     [shard, *_] = sorted(directory.glob("*.distcp"))
-    verify = sharded.verify_files
+    verify = sharded_read.verify_files
 
     def verify_then_change(*args: Any, **kwargs: Any) -> None:
         verify(*args, **kwargs)
@@ -323,7 +316,7 @@ def test_a_shard_changed_after_verification_is_caught_where_dcp_reads_it(
         data[-200] ^= 0xFF  # inside the last tensor's bytes, the size unchanged
         shard.write_bytes(bytes(data))
 
-    monkeypatch.setattr(sharded, "verify_files", verify_then_change)
+    monkeypatch.setattr(sharded_read, "verify_files", verify_then_change)
     with pytest.raises(CorruptCheckpointError, match=shard.name):
         load_checkpoint(directory)
     assert clean.info.step > 0
@@ -336,7 +329,7 @@ def test_launcher_names_the_first_failed_rank_not_the_collateral() -> None:
     saved = [
         RankOutcome(r, exit_codes.PREEMPTED, "preempted", "saved", 12, 5.0 + r) for r in (0, 1)
     ]
-    assert decide_exit(saved) == (exit_codes.PREEMPTED, saved[0])
+    assert decide_exit(saved) == (exit_codes.PREEMPTED, None)  # all stopped alike: no first
     ok = [RankOutcome(r, 0, "succeeded", "", 40, 1.0) for r in (0, 1)]
     assert decide_exit(ok) == (0, None)
 

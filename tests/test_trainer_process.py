@@ -14,102 +14,18 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from pipeline.checkpoint import COMMITTED_FILE, MANIFEST_FILE, MODEL_FILE, verify_checkpoint
 from pipeline.ledger import AttemptStart, Ledger
 from pipeline.states import CheckpointState, TerminationReason
 from pipeline.trainer import TrainConfig, exit_codes
-
-REPO = Path(__file__).resolve().parent.parent
-MAX_STEPS = 60
-CONFIG: dict[str, Any] = {
-    "seed": 0,
-    "max_steps": MAX_STEPS,
-    "checkpoint_every_steps": 10,
-    "batch_size": 32,
-    "learning_rate": 0.01,
-    "optimizer": "adam",
-    "lr_schedule": {"kind": "cosine"},
-    "model": {"channels": 8, "hidden": 32, "dropout": 0.1},  # dropout: the RNG must resume too
-    "keep_last_k": 3,
-    "keep_best_k": 1,
-    "log_every_steps": 1,
-}
-
-
-@dataclass
-class Finished:
-    returncode: int
-    events: list[dict[str, Any]]
-    stderr: str
-
-    def losses(self) -> dict[int, float]:
-        return {e["step"]: e["loss"] for e in self.events if e["event"] == "step"}
-
-    def committed(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] == "checkpoint_committed"]
-
-
-class Trainer:
-    """One ``python -m pipeline.trainer`` process whose stdout goes to a file we can poll."""
-
-    def __init__(self, config: Path, store: Path, run_id: str, *args: str,
-                 env: dict[str, str] | None = None) -> None:  # fmt: skip
-        self.log = store.parent / f"{run_id}-{time.monotonic_ns()}.log"
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        command = [
-            sys.executable, "-m", "pipeline.trainer",
-            "--config", str(config), "--run-id", run_id, "--store", str(store), *args,
-        ]  # fmt: skip
-        self._stdout = open(self.log, "w")  # noqa: SIM115 - closed in wait()
-        self.process = subprocess.Popen(
-            command,
-            cwd=REPO,
-            stdout=self._stdout,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-
-    def events(self) -> list[dict[str, Any]]:
-        return _parse_events(self.log.read_text())
-
-    def wait_until(self, condition: Callable[[], bool], timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if self.process.poll() is not None:
-                raise AssertionError(f"trainer exited {self.process.returncode} first: "
-                                     f"{self.process.stderr.read()[-3000:]}")  # type: ignore[union-attr]  # fmt: skip
-            if time.monotonic() > deadline:
-                self.process.kill()
-                raise AssertionError("timed out waiting for the trainer")
-            time.sleep(0.02)
-
-    def wait_for_step(self, step: int) -> None:
-        self.wait_until(lambda: step in {e["step"] for e in self.events() if e["event"] == "step"})
-
-    def wait(self, timeout: float = 120.0) -> Finished:
-        _, stderr = self.process.communicate(timeout=timeout)
-        self._stdout.close()
-        return Finished(self.process.returncode, self.events(), stderr)
-
-
-def _parse_events(text: str) -> list[dict[str, Any]]:
-    events = []
-    for line in text.splitlines(keepends=True):
-        if not line.endswith("\n"):
-            break  # still being written
-        events.append(json.loads(line))
-    return events
+from tests.trainer_support import CONFIG, MAX_STEPS, Finished, Trainer, write_config
 
 
 def run_trainer(config: Path, store: Path, run_id: str, *args: str,
@@ -120,23 +36,6 @@ def run_trainer(config: Path, store: Path, run_id: str, *args: str,
 def final_dir(store: Path, run_id: str) -> Path:
     (found,) = sorted((store / run_id).glob(f"step-{MAX_STEPS:010d}-a*"))
     return found
-
-
-def write_config(directory: Path, snapshot_dir: Path, **overrides: Any) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "train.yaml"
-    path.write_text(yaml.safe_dump({**CONFIG, "snapshot_dir": str(snapshot_dir), **overrides}))
-    return path
-
-
-@pytest.fixture(scope="session")
-def snapshot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pipeline.data.landing import write_digits_landing
-    from pipeline.data.snapshot import create_snapshot
-
-    root = tmp_path_factory.mktemp("digits")
-    write_digits_landing(root / "landing")
-    return create_snapshot(root / "landing", root / "snapshots").path
 
 
 @pytest.fixture(scope="session")
@@ -380,7 +279,7 @@ def test_stale_fencing_token_refuses_commit_and_leaves_no_committed(
     assert result.committed() == []
     words = last_words(store, "fenced", first.attempt_no)
     assert words["exception_type"] == "StaleFencingTokenError"
-    assert words["reason"] == TerminationReason.CANCELLED
+    assert words["reason"] == TerminationReason.FENCED
     assert ledger.get_checkpoint(str(writing)).state == CheckpointState.WRITING
     # The orchestrator owns begin/end in this mode: the trainer left the attempt open.
     assert ledger.get_attempt("fenced", first.attempt_no).ended_at is None
@@ -540,7 +439,9 @@ def test_stale_attempt_paused_mid_write_is_refused_and_the_run_keeps_one_lineage
     assert started["attempt_no"] == 2 and started["resumed_from"].endswith("step-0000000010-a01")
     ledger = Ledger(url)
     _assert_single_lineage(ledger, "two", stale_attempt=1, newer_attempt=2)
-    assert ledger.get_attempt("two", 1).termination_reason == TerminationReason.CANCELLED
+    fenced = ledger.get_attempt("two", 1)
+    assert fenced.termination_reason == TerminationReason.FENCED, fenced.termination_detail
+    assert "attempt 2" in fenced.termination_detail
     # The newer attempt continued the stale one's step-10 checkpoint exactly.
     assert_bit_exact(reference, store, "two", stale_result, newer_result)
 

@@ -8,11 +8,19 @@ Two process groups: the default one carries training collectives (gradients, the
 agreement on loss and stop); a separate gloo group with a shorter timeout carries checkpoint
 collectives, so a save never shares a group with another thread's collective, and a save
 that waits on a dead peer gives up inside the grace period (the previous COMMITTED stands).
+
+Joining them waits for every rank to arrive, up to the group's timeout: a peer killed before it
+arrived would hold the others there for minutes. So the join runs on a helper thread while the
+main thread watches for a stop (torchrun's agent SIGTERMs the survivors of a dead rank) and
+gives the join up when one comes: :class:`JoinAbandoned`.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -23,6 +31,8 @@ if TYPE_CHECKING:  # torch is imported by the ranks that need it, not by the lau
 # Under the usual 30 s termination grace period, so the SIGTERM save gives up in time.
 CHECKPOINT_GROUP_TIMEOUT_SECONDS = 20.0
 TRAINING_GROUP_TIMEOUT_SECONDS = 300.0
+# How often a rank waiting for its peers to join looks at its stop flag.
+JOIN_POLL_SECONDS = 0.02
 
 
 class CollectiveError(RuntimeError):
@@ -43,6 +53,17 @@ class PeerRankError(RuntimeError):
         self.what, self.failures = what, failures
         named = "; ".join(f"rank {rank}: {detail}" for rank, detail in sorted(failures.items()))
         super().__init__(f"{what} failed on {len(failures)} rank(s): {named}")
+
+
+class JoinAbandoned(RuntimeError):
+    """A stop came while this rank waited for the other ranks to join the process groups."""
+
+    def __init__(self, rank: int, waited_seconds: float) -> None:
+        self.rank, self.waited_seconds = rank, waited_seconds
+        super().__init__(
+            f"rank {rank}: gave up joining the process groups after {waited_seconds:.1f} s, "
+            "on a stop request (a peer rank may never arrive)"
+        )
 
 
 @dataclass(frozen=True)
@@ -106,21 +127,39 @@ class World:
 
 
 class Groups:
-    """The initialised process groups of a distributed attempt (world size > 1)."""
+    """The initialised process groups of a distributed attempt (world size > 1).
 
-    def __init__(self, world: World, device: torch.device) -> None:
+    ``abandon``: polled while the ranks join; when it returns True before every rank has
+    arrived, the join is given up (:class:`JoinAbandoned`) and its thread left behind: the
+    process is on its way out.
+    """
+
+    def __init__(
+        self,
+        world: World,
+        device: torch.device,
+        *,
+        abandon: Callable[[], bool] | None = None,
+    ) -> None:
         import torch.distributed as dist
 
         self.world = world
         # CPU tensors always go over gloo; CUDA ones over NCCL when training on a GPU.
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        if not dist.is_initialized():
-            dist.init_process_group(
-                backend=backend, timeout=timedelta(seconds=TRAINING_GROUP_TIMEOUT_SECONDS)
-            )
-        self.checkpoint = dist.new_group(
-            backend="gloo", timeout=timedelta(seconds=CHECKPOINT_GROUP_TIMEOUT_SECONDS)
-        )
+
+        def join() -> Any:
+            try:
+                if not dist.is_initialized():
+                    dist.init_process_group(
+                        backend=backend, timeout=timedelta(seconds=TRAINING_GROUP_TIMEOUT_SECONDS)
+                    )
+                return dist.new_group(
+                    backend="gloo", timeout=timedelta(seconds=CHECKPOINT_GROUP_TIMEOUT_SECONDS)
+                )
+            except Exception as exc:  # a peer that left, or never answered, while they met
+                raise CollectiveError("joining the process groups", world.rank, exc) from exc
+
+        self.checkpoint = join() if abandon is None else _join_unless(join, abandon, world.rank)
 
     def agree(self, what: str, error: str | None) -> None:
         """Every rank says whether its part of ``what`` worked; all raise if any did not."""
@@ -151,3 +190,26 @@ class Groups:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _join_unless(join: Callable[[], Any], abandon: Callable[[], bool], rank: int) -> Any:
+    """``join()`` on a helper thread; the main thread stays free to see a stop and leave."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["groups"] = join()
+        except BaseException as exc:  # re-raised on the main thread
+            result["error"] = exc
+
+    # A daemon: a join given up must not keep the process from exiting.
+    thread = threading.Thread(target=run, name=f"tracks-join-rank-{rank}", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    while thread.is_alive():
+        thread.join(JOIN_POLL_SECONDS)
+        if thread.is_alive() and abandon():
+            raise JoinAbandoned(rank, time.monotonic() - started)
+    if "error" in result:
+        raise result["error"]
+    return result["groups"]

@@ -31,6 +31,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First of all, before torch is imported (seconds): a SIGTERM during start-up is a stop the
+    # trainer acts on (a rank dying of it would leave its peers waiting), never a death.
+    from pipeline.trainer.stop import StopRequest
+
+    stop = StopRequest()
+    stop.install()
+    from pipeline.distributed.launch import die_with_launcher
+
+    die_with_launcher()
     args = parse_args(argv)
     from pipeline import ids, safepath
     from pipeline.checkpoint.layout import run_dir
@@ -45,14 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ids.InvalidIdError, safepath.UnsafePathError) as exc:
         print(f"python -m pipeline.trainer: {exc}", file=sys.stderr)
         return exit_codes.BAD_INPUT
-    from pipeline.distributed.launch import die_with_launcher
-
-    die_with_launcher()
-    # Installed before torch is imported: a SIGTERM during start-up still ends in a clean save.
-    from pipeline.trainer.train import StopRequest
-
-    stop = StopRequest()
-    stop.install()
     from pipeline.trainer.train import run_training
 
     return run_training(

@@ -45,6 +45,9 @@ class Outcome:
     step: int | None = None
     exception: BaseException | None = None
     signal: str | None = None
+    # A success that trained no step (the final checkpoint was already committed): its
+    # sentence is left as last words too, so a receipt closed from them says the same.
+    nothing_trained: bool = False
 
 
 def last_words_path(store: str | Path, run_id: str, attempt_no: int, *, rank: int = 0) -> Path:
@@ -230,11 +233,16 @@ class AttemptHandle:
         if not self.owns_attempt or not self.begun or self.ledger is None:
             return
         assert self.attempt_no is not None
+        detail = outcome.detail
+        if outcome.reason == TerminationReason.FENCED:
+            from pipeline.attempts import fenced_detail  # names the attempt that took over
+
+            detail = fenced_detail(self.ledger, self.run_id, self.attempt_no, outcome.step)
         self.ledger.end_attempt(
             self.run_id,
             self.attempt_no,
             termination_reason=outcome.reason,
-            termination_detail=outcome.detail,
+            termination_detail=detail,
             exit_code=outcome.exit_code,
             signal=outcome.signal,
             cpu_seconds=cpu_seconds,
@@ -253,7 +261,8 @@ def _owner() -> str:
 def write_last_words(
     path: Path, *, run_id: str, attempt_no: int, outcome: Outcome, last_checkpoint: str | None
 ) -> None:
-    """The trainer's last words, written atomically before it exits on a classified stop."""
+    """The trainer's last words, written atomically before it exits on a classified stop (or a
+    success that trained nothing)."""
     exc = outcome.exception
     payload: dict[str, Any] = {
         "run_id": run_id,

@@ -4,6 +4,14 @@
 receipt (last words, ledger) for whatever happened. Determinism is a feature here: with the
 same config and snapshot, an interrupted-and-resumed run on CPU reproduces an uninterrupted
 one bit for bit.
+
+Stopping (SIGTERM/SIGINT set a flag, :mod:`pipeline.trainer.stop`): the loop reads the flag
+once per step and, distributed, the ranks agree on it at every step; only what they agreed
+decides, so every rank saves the same step and exits 75 (a flag set later is seen at the next
+agreement). During a distributed start-up a stop ends the attempt where it is, exit 75, nothing
+trained or saved. A stop whose collectives find a peer rank gone (torchrun's agent SIGTERMs the
+survivors of a dead rank) is still a preemption, exit 75, and its sentence says the peer died
+and which checkpoint is the newest committed; the launcher's exit code is then the dead rank's.
 """
 
 from __future__ import annotations
@@ -11,7 +19,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import signal
 import time
 import traceback
 from pathlib import Path
@@ -32,11 +39,14 @@ from pipeline.checkpoint import (
     TrainingState,
     checkpoint_dirs,
     layout,
+    parse_checkpoint_dir_name,
 )
 from pipeline.checkpoint.direct_io import DIRECT_MIN_BYTES, prepare_read_buffers
 from pipeline.determinism import use_deterministic_kernels
 from pipeline.distributed import CollectiveError, Groups, PeerRankError, World
 from pipeline.distributed.launch import launched_here
+from pipeline.distributed.world import JoinAbandoned
+from pipeline.environment import fault_hooks
 from pipeline.states import TerminationReason
 from pipeline.tracking import TrainingTracker
 from pipeline.trainer import exit_codes
@@ -51,6 +61,7 @@ from pipeline.trainer.config import ConfigError, TrainConfig
 from pipeline.trainer.data import BadInputError, EpochSampler, TrainingData, load_training_data
 from pipeline.trainer.model import build_model
 from pipeline.trainer.reporting import Reporter, StdoutReporter, make_reporter
+from pipeline.trainer.stop import StopRequest
 
 # Test hook: after step N, pause ("seconds@N") until the pause ends or a stop is requested,
 # so a drill can SIGKILL or SIGTERM the trainer at a known step.
@@ -58,31 +69,22 @@ FAULT_SLEEP_AFTER_STEP = "TRACKS_FAULT_SLEEP_AFTER_STEP"
 # Test hook: a "smaller node": the first step raises torch.OutOfMemoryError when the batch is
 # larger than this, so drills can exercise the OOM reason and its retry rule on a CPU.
 FAULT_OOM_ABOVE_BATCH = "TRACKS_FAULT_OOM_ABOVE_BATCH"
+# Test hook: "seconds@step@rank" (step and rank may be left empty: every one) pauses that rank
+# inside the stop agreement, after it read its own flag and before it reduces, so a drill can
+# land a signal there: on this rank, or on a peer waiting in the reduction.
+FAULT_SLEEP_BEFORE_AGREEMENT = "TRACKS_FAULT_SLEEP_BEFORE_AGREEMENT"
 
 
-class StopRequest:
-    """SIGTERM and SIGINT only set this flag: the loop finishes its step, saves, and exits."""
+class StoppedBeforeTraining(Exception):
+    """A distributed rank was asked to stop during start-up: it stops there, trained nothing.
 
-    def __init__(self) -> None:
-        self.signal_name: str | None = None
-        # Distributed: another rank got the signal; this one stops at the same step.
-        self.from_peer = False
+    Its peers may be gone (torchrun's agent SIGTERMs the survivors of a dead rank), and the
+    next collective could wait minutes on them; there is nothing new to save anyway.
+    """
 
-    @property
-    def requested(self) -> bool:
-        return self.signal_name is not None or self.from_peer
-
-    @property
-    def cause(self) -> str:
-        return self.signal_name or "a stop another rank received"
-
-    def install(self) -> None:
-        # Dagster Pipes forwards a run's termination as SIGINT, schedulers send SIGTERM.
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._handle)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        self.signal_name = signal.Signals(signum).name
+    def __init__(self, rank: int, when: str) -> None:
+        self.rank, self.when = rank, when  # "after loading the training data"
+        super().__init__(f"rank {rank}: stop requested, seen {when}")
 
 
 def run_training(
@@ -250,7 +252,8 @@ def _leave_receipt(
                     config,
                     snapshot_id=data.snapshot_id if data else None,
                     data_manifest_sha256=data.manifest_sha256 if data else None,
-                    resumed_from=None,
+                    # A stop at start-up may come after the restore: the receipt keeps it.
+                    resumed_from=trainer.last_checkpoint_path if trainer else None,
                 )
             if not defer_end:
                 attempt.end(outcome, cpu_seconds=cpu_seconds, gpu_seconds=gpu_seconds)
@@ -259,7 +262,7 @@ def _leave_receipt(
     number = (attempt.attempt_no if attempt else None) or attempt_no
     if number is None:
         number = next_standalone_attempt_no(layout.run_dir(store, run_id))
-    if outcome.reason != TerminationReason.SUCCEEDED:
+    if outcome.reason != TerminationReason.SUCCEEDED or outcome.nothing_trained:
         try:
             write_last_words(
                 last_words_path(store, run_id, number, rank=rank),
@@ -301,12 +304,30 @@ class Trainer:
         self.last_checkpoint: CheckpointInfo | None = None
         self._manager: CheckpointManager | None = None
         self._tracker: TrainingTracker | None = None
+        self._stop_save_step: int | None = None  # the step of a preemption save under way
 
     @property
     def last_checkpoint_path(self) -> str | None:
         return str(self.last_checkpoint.path) if self.last_checkpoint else None
 
     def run(self) -> Outcome:
+        """Start up, maybe resume, train to ``max_steps`` or to a stop; the attempt's outcome.
+
+        Distributed, a stop during start-up ends the attempt there (nothing trained, nothing to
+        save), and a stop that finds a peer rank gone is still a stop, whose sentence says so.
+        """
+        try:
+            return self._start_and_train()
+        except (StoppedBeforeTraining, JoinAbandoned) as exc:
+            return self._stopped_before_training(exc)
+        except CollectiveError as exc:
+            # torchrun's agent SIGTERMs the survivors of a dead rank: the broken collective is
+            # how this rank learnt of the death it was asked to stop for, not a failure of its own.
+            if not (self.stop.requested and self.loop_started is None):
+                raise
+            return self._stopped_before_training(exc)
+
+    def _start_and_train(self) -> Outcome:
         cfg = self.config
         world = self.world
         device = _make_deterministic(cfg)
@@ -317,12 +338,16 @@ class Trainer:
                 f"{cfg.batch_size} does not split evenly over {world.world_size} ranks",
             )
         if world.distributed:
-            self.groups = Groups(world, device)
+            if self.stop.requested:  # joining would only keep the peers waiting for nothing
+                raise StoppedBeforeTraining(world.rank, "before joining the other ranks")
+            # Given up on a stop: a peer killed before it joined would hold this rank for minutes.
+            self.groups = Groups(world, device, abandon=lambda: self.stop.requested)
         elif _resumes_large_files(self.attempt.run_dir):
             prepare_read_buffers()  # while the data loads and the model is built
         self.data = data = load_training_data(cfg.snapshot_dir, ledger=self.attempt.ledger).to(
             device
         )
+        self._agree_before_training("after loading the training data")
         seeded = RNGState().state_dict()
         state = self._build(data, device)
         manager = self._make_manager()
@@ -339,22 +364,29 @@ class Trainer:
             resumed = None
         self.step, self.last_checkpoint = state.step, resumed
         if resumed is not None and state.step >= cfg.max_steps:
-            if self.attempt.begun:
-                # Orchestrated: the open receipt learns the restore that did happen (begin only
-                # records it; a self-owned trainer with nothing to train opens no attempt).
-                self.attempt.begin(
-                    cfg,
-                    snapshot_id=data.snapshot_id,
-                    data_manifest_sha256=data.manifest_sha256,
-                    resumed_from=str(resumed.path),
-                )
+            # An attempt like any other (self-owned: begun now, with the restore it did), so
+            # stdout, Pipes and the ledger all say the same: it restored the final checkpoint
+            # and trained nothing.
+            self.attempt.begin(
+                cfg,
+                snapshot_id=data.snapshot_id,
+                data_manifest_sha256=data.manifest_sha256,
+                resumed_from=str(resumed.path),
+            )
+            # Where it ran, as for any attempt: the receipt's placement must not say one rank
+            # for an attempt launched on several that found nothing to train.
+            self._record_world(manager)
             return Outcome(
                 TerminationReason.SUCCEEDED,
                 exit_codes.SUCCEEDED,
                 f"The final checkpoint (step {state.step}) was already committed at "
                 f"{resumed.path}; nothing left to train.",
                 step=state.step,
+                nothing_trained=True,
             )
+        self._agree_before_training(
+            "after restoring the newest checkpoint" if resumed else "after finding none to restore"
+        )
         self.attempt.begin(
             cfg,
             snapshot_id=data.snapshot_id,
@@ -400,7 +432,12 @@ class Trainer:
         self._tracker = self._start_tracking(state, data)
         outcome: Outcome | None = None
         try:
-            outcome = self._loop(state, manager, data)
+            try:
+                outcome = self._loop(state, manager, data)
+            except CollectiveError as exc:
+                if not self.stop.requested:
+                    raise
+                outcome = self._stopped_without_peer(exc)
             return outcome
         finally:
             self._settle(manager)
@@ -449,6 +486,8 @@ class Trainer:
         written_by = manager.last_committed.world_size if manager.last_committed else None
         resharded_from = written_by if written_by not in (None, self.world.world_size) else None
         fields: dict[str, Any] = {**self.world.placement(), "resharded_from": resharded_from}
+        # The drill hooks this trainer runs with: an orchestrator's environment may lack them.
+        fields["fault_hooks"] = fault_hooks()
         if resharded_from is not None:
             self.reporter.event(
                 "resharded",
@@ -550,25 +589,33 @@ class Trainer:
                         },
                     )
             self.attempt.heartbeat(state.step)
-            _fault_sleep_after_step(state.step, self.stop)
+            _fault_sleep_after_step(state.step, self.stop, self.attempt)
             timed_out = (
                 cfg.max_wall_seconds is not None
                 and time.monotonic() - self.started >= cfg.max_wall_seconds
             )
+            # The flag is read once per step, and only that reading (distributed: what the
+            # ranks agreed from theirs) decides this step; a signal landing later, inside the
+            # agreement or the save, is acted on at the next step, by every rank alike.
+            requested = self.stop.requested
             if self.world.distributed:
                 # Every rank saves and stops at the same step: a signal or the clock may
                 # reach the ranks at different moments.
-                requested, timed_out = _agree_to_stop(self.stop.requested, timed_out, self.world)
+                requested, timed_out = _agree_to_stop(
+                    requested, timed_out, self.world, step=state.step
+                )
                 if requested and not self.stop.requested:
                     self.stop.from_peer = True
             last = state.step >= cfg.max_steps
-            stopping = last or self.stop.requested or timed_out
+            stopping = last or requested or timed_out
             if manager.should_save(state.step) or stopping:
                 # The final and the preemption checkpoint are committed before we go on.
+                self._stop_save_step = state.step if requested else None
                 self._save(state, manager, data, loss, wait=stopping or not cfg.async_save)
+                self._stop_save_step = None
             if last:
                 break
-            if self.stop.requested:
+            if requested:
                 return Outcome(
                     TerminationReason.PREEMPTED,
                     exit_codes.PREEMPTED,
@@ -645,6 +692,68 @@ class Trainer:
         level = "warning" if name in warn else "info"
         self.reporter.event(name, fields, level=level)
 
+    def _agree_before_training(self, when: str) -> None:
+        """Distributed start-up: if any rank was asked to stop by now, every rank stops here."""
+        if not self.world.distributed:
+            return
+        requested, _ = _agree_to_stop(self.stop.requested, False, self.world, step=None)
+        if requested:
+            self.stop.from_peer = self.stop.from_peer or not self.stop.requested
+            raise StoppedBeforeTraining(self.world.rank, when)
+
+    def _stopped_before_training(
+        self, exc: StoppedBeforeTraining | JoinAbandoned | CollectiveError
+    ) -> Outcome:
+        if isinstance(exc, StoppedBeforeTraining):
+            when = exc.when
+        elif isinstance(exc, JoinAbandoned):
+            when = "while waiting for the other ranks to join"
+        else:
+            when = f"when a peer rank was gone ({exc.what} failed)"
+        restored = (
+            f"; the checkpoint it restored (step {self.last_checkpoint.step}) stands"
+            if self.last_checkpoint is not None
+            else ""
+        )
+        return Outcome(
+            TerminationReason.PREEMPTED,
+            exit_codes.PREEMPTED,
+            f"Stopped on {self.stop.cause} during start-up, {when}: this attempt trained no "
+            f"step and saved nothing{restored}.",
+            step=self.step,
+            signal=self.stop.signal_name,
+        )
+
+    def _stopped_without_peer(self, exc: CollectiveError) -> Outcome:
+        """A stop during training that the ranks could not finish together: a peer is gone.
+
+        Still a preemption (the signal is why the attempt ended); the sentence says what the
+        peer's death cost, from the run directory: which checkpoint is committed.
+        """
+        newest = checkpoint_dirs(self.attempt.run_dir)[:1]
+        parsed = parse_checkpoint_dir_name(newest[0].name) if newest else None
+        saving = self._stop_save_step
+        if saving is None:
+            during = ""
+        elif parsed == (saving, self.attempt.attempt_no):
+            during = f", after the preemption checkpoint at step {saving} was committed"
+        else:
+            during = f", so the preemption checkpoint at step {saving} was not committed"
+        stands = (
+            f"The newest committed checkpoint is step {parsed[0]} ({newest[0].name})."
+            if parsed
+            else "No checkpoint of the run is committed."
+        )
+        return Outcome(
+            TerminationReason.PREEMPTED,
+            exit_codes.PREEMPTED,
+            f"Stopped on {self.stop.cause} after step {self.step} of {self.config.max_steps}, "
+            f"but a peer rank died or became unreachable while {exc.what}{during}. {stands}",
+            step=self.step,
+            signal=self.stop.signal_name,
+            exception=exc,
+        )
+
     def _diverged(self, loss: float, step: int) -> Outcome:
         where = (
             f"the last committed checkpoint is step {self.last_checkpoint.step}"
@@ -703,14 +812,31 @@ def train_step(
         indices = indices[world.rank :: world.world_size]
     images, labels = data.train_images[indices], data.train_labels[indices]
     state.optimizer.zero_grad(set_to_none=True)
-    loss = F.cross_entropy((forward or state.model)(images), labels)
-    loss.backward()
+    try:
+        loss = F.cross_entropy((forward or state.model)(images), labels)
+        loss.backward()  # under DDP, the gradients' all-reduce runs here
+    except RuntimeError as exc:
+        if world is not None and world.distributed and _is_collective_failure(exc):
+            raise CollectiveError("averaging the gradients", world.rank, exc) from exc
+        raise
     state.optimizer.step()
     if state.lr_scheduler is not None:
         state.lr_scheduler.step()
     if world is not None and world.distributed:
         return _global_mean(loss.detach(), world)
     return float(loss.item())
+
+
+def _is_collective_failure(exc: RuntimeError) -> bool:
+    """Whether DDP's collective failed (a peer rank gone), not the model's own code.
+
+    DDP raises a broken gloo transport as a plain RuntimeError from backward: only its origin,
+    named in the message, tells it apart from an error in the model.
+    """
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or "gloo/transport" in text or "NCCL" in text
 
 
 def _global_mean(loss: torch.Tensor, world: World) -> float:
@@ -724,10 +850,15 @@ def _global_mean(loss: torch.Tensor, world: World) -> float:
     return float(total.item()) / world.world_size
 
 
-def _agree_to_stop(requested: bool, timed_out: bool, world: World) -> tuple[bool, bool]:
+def _agree_to_stop(
+    requested: bool, timed_out: bool, world: World, *, step: int | None
+) -> tuple[bool, bool]:
+    """Whether any rank asked to stop, or ran out of time (at ``step``; None: start-up)."""
     import torch.distributed as dist
 
     flags = torch.tensor([float(requested), float(timed_out)])
+    if step is not None:
+        _fault_sleep_before_agreement(step, world.rank)
     try:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     except Exception as exc:
@@ -762,7 +893,7 @@ def classify_exception(exc: BaseException, *, step: int | None) -> Outcome:
 
     reason, code = TerminationReason.USER_CODE_ERROR, exit_codes.USER_CODE_ERROR
     if isinstance(exc, StaleFencingTokenError):
-        reason, code = TerminationReason.CANCELLED, exit_codes.FENCED
+        reason, code = TerminationReason.FENCED, exit_codes.FENCED
     elif isinstance(exc, ConfigError | CheckpointMismatchError | LedgerError):
         reason, code = TerminationReason.USER_CODE_ERROR, exit_codes.CONFIG_ERROR
     elif isinstance(exc, DataError):
@@ -845,13 +976,25 @@ def _fault_oom_above_batch(batch_size: int) -> None:
         )
 
 
-def _fault_sleep_after_step(step: int, stop: StopRequest) -> None:
+def _fault_sleep_before_agreement(step: int, rank: int) -> None:
+    spec = os.environ.get(FAULT_SLEEP_BEFORE_AGREEMENT)
+    if not spec:
+        return
+    seconds, at_step, at_rank = [*spec.split("@"), "", ""][:3]
+    if (at_step and int(at_step) != step) or (at_rank and int(at_rank) != rank):
+        return
+    time.sleep(float(seconds))  # not cut short by a stop: a signal is meant to land in it
+
+
+def _fault_sleep_after_step(step: int, stop: StopRequest, attempt: Any) -> None:
     spec = os.environ.get(FAULT_SLEEP_AFTER_STEP)
     if not spec:
         return
     seconds, _, at_step = spec.partition("@")
     if at_step and int(at_step) != step:
         return
+    # The ledger learns where the pause holds the trainer: a drill signals it there.
+    attempt.heartbeat(step, force=True)
     deadline = time.monotonic() + float(seconds)
     while time.monotonic() < deadline and not stop.requested:
         time.sleep(0.02)
