@@ -8,7 +8,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,38 @@ class DagsterDev:
         self._log.close()
 
 
+@contextmanager
+def live_drill(home: Path, env: Mapping[str, str]) -> Iterator[tuple[DagsterDev, Path, str]]:
+    """A ``dagster dev`` over a fresh ``home`` with digits landed, for drills on live runs.
+
+    Dagster's run retries are off (the resume sensor owns every failure) and so is the
+    automation the drill does not start itself (``TRACKS_AUTOMATION=off``); ``env`` adds the
+    drill's hooks. Yields the server, the home and the landed snapshot's id.
+    """
+    from pipeline.data.landing import write_digits_landing
+    from pipeline.data.snapshot import snapshot_id_for
+
+    (home / "dagster").mkdir(parents=True)
+    (home / "dagster" / "dagster.yaml").write_text(
+        "telemetry:\n  enabled: false\nrun_retries:\n  enabled: false\n"
+    )
+    write_digits_landing(home / "landing")
+    server = DagsterDev(
+        env={
+            "TRACKS_HOME": str(home),
+            "DAGSTER_HOME": str(home / "dagster"),
+            "TRACKS_AUTOMATION": "off",
+            **env,
+        },
+        log_path=home / "dagster-dev.log",
+    )
+    try:
+        server.wait_until_loaded()
+        yield server, home, snapshot_id_for(home / "landing")
+    finally:
+        server.stop()
+
+
 ADD_PARTITION = """
 mutation($repo: RepositorySelector!, $name: String!, $key: String!) {
   addDynamicPartition(repositorySelector: $repo, partitionsDefName: $name, partitionKey: $key) {
@@ -160,8 +193,14 @@ def launch_graph(
     training_config: dict[str, Any] | None = None,
     *,
     assets: list[str] | None = None,
+    resources: dict[str, Any] | None = None,
+    tags: dict[str, str] | None = None,
 ) -> str:
-    """Register the partition and press "Materialize" for the graph, as the UI does."""
+    """Register the partition and press "Materialize" for the graph, as the UI does.
+
+    ``resources`` is the launchpad's ``resources:`` section (the trainer's placement, say) and
+    ``tags`` are the tags a person adds in the launchpad, on top of the partition's.
+    """
     added = server.graphql(
         ADD_PARTITION, {"repo": REPOSITORY, "name": "snapshots", "key": snapshot_id}
     )["addDynamicPartition"]
@@ -179,13 +218,56 @@ def launch_graph(
             if "data_snapshot" in selected
             else [],
         },
-        "runConfigData": {"ops": {"training_attempt": {"config": training_config or {}}}},
-        "executionMetadata": {"tags": [{"key": "dagster/partition", "value": snapshot_id}]},
+        "runConfigData": {
+            "ops": {"training_attempt": {"config": training_config or {}}},
+            **({"resources": resources} if resources else {}),
+        },
+        "executionMetadata": {
+            "tags": [
+                {"key": "dagster/partition", "value": snapshot_id},
+                *({"key": k, "value": v} for k, v in (tags or {}).items()),
+            ]
+        },
     }
     launched = server.graphql(LAUNCH_RUN, {"params": params})["launchPipelineExecution"]
     if launched["__typename"] != "LaunchRunSuccess":
         raise RuntimeError(f"launch failed: {launched}")
     return launched["run"]["runId"]
+
+
+# What the run page's "Re-execute" menu sends ("From failure" is FROM_FAILURE).
+REEXECUTE_RUN = """
+mutation($params: ReexecutionParams!) {
+  launchPipelineReexecution(reexecutionParams: $params) {
+    __typename
+    ... on LaunchRunSuccess { run { runId } }
+    ... on PythonError { message }
+  }
+}
+"""
+
+
+def reexecute(server: DagsterDev, parent_run_id: str, strategy: str = "FROM_FAILURE") -> str:
+    """Re-execute a Dagster run as the run page's button does; returns the new run's id."""
+    launched = server.graphql(
+        REEXECUTE_RUN, {"params": {"parentRunId": parent_run_id, "strategy": strategy}}
+    )["launchPipelineReexecution"]
+    if launched["__typename"] != "LaunchRunSuccess":
+        raise RuntimeError(f"re-execution of {parent_run_id} failed: {launched}")
+    return launched["run"]["runId"]
+
+
+def trainer_ranks(run_id: str) -> dict[int, int]:
+    """Live trainer processes of one training run by their ``RANK`` (0 when not distributed)."""
+    ranks: dict[int, int] = {}
+    for pid in trainer_pids(run_id):
+        try:
+            environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        found = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+        ranks[int(found.get(b"RANK", b"0"))] = pid
+    return ranks
 
 
 def trainer_pids(run_id: str) -> list[int]:
