@@ -15,10 +15,12 @@ from typing import Any
 
 import yaml
 
-from pipeline import ids, redact
+from pipeline import envvars, ids, redact
 from pipeline.checkpoint import layout
 from pipeline.data.snapshot import Snapshot
+from pipeline.distributed.ranks import ranks_summary_path
 from pipeline.environment import code_commit, container_digest, placement
+from pipeline.fencing import newer_attempt
 from pipeline.ledger import AttemptRecord, AttemptStart, CheckpointRecord, Ledger, RunRecord
 from pipeline.reasons import (
     AttemptEvidence,
@@ -42,7 +44,7 @@ from pipeline.retry import (
     record_decision,
 )
 from pipeline.states import Purpose, RunStatus, TerminationReason
-from pipeline.trainer import exit_codes
+from pipeline.trainer.attempt import last_words_path
 from pipeline.trainer.config import TrainConfig
 
 
@@ -87,11 +89,11 @@ class PreparedAttempt:
     ) -> dict[str, str]:
         """What the trainer reads from its environment: URLs, which may hold a password,
         travel here and never on the command line (`ps` shows argv to every user)."""
-        env = {LEDGER_URL_ENV: ledger_url}
+        env = {envvars.TRACKS_LEDGER_URL.name: ledger_url}
         if mlflow_uri:
-            env["TRACKS_MLFLOW_URI"] = mlflow_uri
+            env[envvars.TRACKS_MLFLOW_URI.name] = mlflow_uri
         if mlflow_artifacts:
-            env["TRACKS_MLFLOW_ARTIFACTS"] = mlflow_artifacts
+            env[envvars.TRACKS_MLFLOW_ARTIFACTS.name] = mlflow_artifacts
         return env
 
 
@@ -221,9 +223,6 @@ def _refuse_unless_policy_allows(
     return admitted
 
 
-LEDGER_URL_ENV = "TRACKS_LEDGER_URL"
-
-
 def _words_field(words: dict[str, Any] | None, key: str, kind: type) -> Any:
     value = (words or {}).get(key)
     return value if isinstance(value, kind) and not isinstance(value, bool) else None
@@ -252,37 +251,6 @@ def step_reached(ledger: Ledger, attempt: AttemptRecord, said: int | None = None
     ]
     steps = [*own, fresh.restored_step, fresh.last_step, said]
     return max((s for s in steps if s is not None), default=None)
-
-
-def newer_attempt(ledger: Ledger, attempt: AttemptRecord) -> dict[str, Any] | None:
-    """The attempt that holds the run's fencing token now, if a newer one took it from ``attempt``.
-
-    ``{"attempt_no": …, "via": …}``: who took the run over and how it was launched, for the
-    sentence of an attempt that was fenced out.
-    """
-    run = ledger.get_run(attempt.run_id)
-    if run.fencing_token <= attempt.fencing_token:
-        return None
-    holder = next(
-        (a for a in ledger.attempts(attempt.run_id) if a.fencing_token == run.fencing_token), None
-    )
-    if holder is None:
-        return None
-    return {"attempt_no": holder.attempt_no, "via": (holder.launched_by or {}).get("via")}
-
-
-def fenced_detail(ledger: Ledger, run_id: str, attempt_no: int, step: int | None) -> str:
-    """The sentence of a self-owned attempt fenced out at ``step``: who took the run over."""
-    attempt = ledger.get_attempt(run_id, attempt_no)
-    latest = ledger.latest_committed_checkpoint(run_id)
-    return classify(
-        AttemptEvidence(
-            exit_code=exit_codes.FENCED,
-            last_words={"reason": str(TerminationReason.FENCED), "step": step},
-            last_committed_step=latest.step if latest else None,
-            newer_attempt=newer_attempt(ledger, attempt),
-        )
-    ).detail
 
 
 def _rank_phrase(count: int, world_size: Any) -> str:
@@ -358,9 +326,6 @@ def stored_evidence(
     ``first_failure`` may be given by a launcher that decided it itself (the summary on disk,
     when there is one, holds the same rank with its signal).
     """
-    from pipeline.distributed.launch import ranks_summary_path
-    from pipeline.trainer.attempt import last_words_path
-
     words = rank0_words = read_last_words(last_words_path(store, run_id, attempt_no))
     summary = read_last_words(ranks_summary_path(store, run_id, attempt_no)) or {}
     first = summary.get("first_failure")

@@ -32,8 +32,8 @@ from pipeline.checkpoint import (
     refuse_pickle,
     verify_checkpoint,
 )
+from pipeline.checkpoint import load as checkpoint_load
 from pipeline.checkpoint import manager as manager_module
-from pipeline.checkpoint import verify as checkpoint_verify
 from pipeline.checkpoint import writer as checkpoint_writer
 from pipeline.checkpoint.codec import StateEncodingError, decode_state, encode_state
 from pipeline.checkpoint.layout import TENSOR_FILE_METADATA
@@ -672,7 +672,7 @@ def test_resume_runs_the_probe_pass_once_while_the_optimizer_state_is_still_read
     _manager(tmp_path).save(original)
     expected = _steps(original, data, 4)
     optimizer_read = threading.Event()
-    real_read = checkpoint_verify.read_verified_into
+    real_read = checkpoint_load.read_verified_into
 
     def slow_optimizer(directory: Path, listed: ListedFile, into: dict, **kw: int) -> object:
         if listed.name == OPTIMIZER_FILE:
@@ -690,7 +690,7 @@ def test_resume_runs_the_probe_pass_once_while_the_optimizer_state_is_still_read
         passes.append(optimizer_read.is_set())
         return real_logits(model, inputs)
 
-    monkeypatch.setattr(checkpoint_verify, "read_verified_into", slow_optimizer)
+    monkeypatch.setattr(checkpoint_load, "read_verified_into", slow_optimizer)
     monkeypatch.setattr(manager_module, "probe_logits", probe_logits)
     resumed = _state(data, seed=99)
     _steps(resumed, data, 3)

@@ -17,7 +17,7 @@ from assets.checks import (
     judge_provenance_complete,
     judge_restores_in_new_process,
 )
-from pipeline.definitions import build_definitions
+from definitions import build_definitions
 from pipeline.digests import sha256_bytes
 from pipeline.ledger import EvaluationRecord, Ledger
 from pipeline.settings import TracksSettings

@@ -20,13 +20,13 @@ import dagster as dg
 import pytest
 from click.testing import CliRunner
 
+from definitions import build_definitions
 from pipeline.cli import main as tracks
 from pipeline.data.errors import BlockedSnapshotError, LandingFileError, SnapshotTamperedError
 from pipeline.data.gate import ensure_checks_passed, verdict_path
 from pipeline.data.landing import Drift, write_digits_landing
 from pipeline.data.quality import check_data_quality
 from pipeline.data.snapshot import create_snapshot, open_snapshot, read_snapshot_frame
-from pipeline.definitions import build_definitions
 from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings
 from pipeline.trainer import exit_codes

@@ -348,7 +348,7 @@ def test_write_manifests_validates_and_writes_every_backend(tmp_path: Path) -> N
 def test_helm_values_and_dockerfile() -> None:
     values = yaml.safe_load((ROOT / "deploy" / "helm-values.yaml").read_text())
     [deployment] = values["dagster-user-deployments"]["deployments"]
-    assert deployment["codeServerArgs"] == ["-m", "pipeline.definitions"]
+    assert deployment["codeServerArgs"] == ["-m", "definitions"]
     launcher = values["runLauncher"]
     assert launcher["type"] == "K8sRunLauncher"
     assert launcher["config"]["k8sRunLauncher"]["envSecrets"]

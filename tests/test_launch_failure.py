@@ -7,9 +7,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from definitions import build_definitions
 from pipeline.data.landing import write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
-from pipeline.definitions import build_definitions
 from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings
 from sensors import materialize_snapshot

@@ -21,7 +21,8 @@ from pipeline import ids
 from pipeline.checkpoint import MODEL_FILE, checkpoint_dirs
 from pipeline.checkpoint.errors import CorruptCheckpointError
 from pipeline.checkpoint.layout import CORRUPT_FILE, run_dir
-from pipeline.checkpoint.verify import load_checkpoint, verify_checkpoint
+from pipeline.checkpoint.load import load_checkpoint
+from pipeline.checkpoint.verify import verify_checkpoint
 from pipeline.cli import main
 from pipeline.ledger import AttemptStart, Ledger
 from pipeline.safepath import UnsafePathError

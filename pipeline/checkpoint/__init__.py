@@ -22,6 +22,7 @@ from pipeline.checkpoint.layout import (
     checkpoint_dir_name,
     parse_checkpoint_dir_name,
 )
+from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.manager import CheckpointConfig, CheckpointManager, validate_probe
 from pipeline.checkpoint.state import (
     RNGState,
@@ -35,7 +36,6 @@ from pipeline.checkpoint.verify import (
     CheckpointInfo,
     checkpoint_dirs,
     is_committed,
-    load_checkpoint,
     refuse_pickle,
     verify_checkpoint,
 )

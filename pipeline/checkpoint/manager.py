@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from pipeline import envvars
 from pipeline.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -50,6 +51,7 @@ from pipeline.checkpoint.layout import (
     parse_checkpoint_dir_name,
     replace_atomically,
 )
+from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.state import (
     CapturedCheckpoint,
     DeviceCopies,
@@ -69,7 +71,6 @@ from pipeline.checkpoint.verify import (
     LedgerCommit,
     checkpoint_dirs,
     is_committed,
-    load_checkpoint,
     read_trainer_state,
 )
 from pipeline.checkpoint.writer import (
@@ -87,8 +88,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Test hook: sleep between MANIFEST.json and COMMITTED ("seconds" or "seconds@step"), so a
-# drill can kill the process, or fence the attempt, in the middle of a checkpoint write.
-FAULT_SLEEP_BEFORE_COMMIT = "TRACKS_FAULT_SLEEP_BEFORE_COMMIT"
+# drill can kill the process, or fence the attempt, in the middle of a checkpoint write:
+# TRACKS_FAULT_SLEEP_BEFORE_COMMIT, read in _fault_sleep_before_commit.
 
 # The background writer (and the hashing threads it starts, which inherit it) runs at this
 # nice value, so the scheduler gives the training thread a core of its own. Mild on purpose:
@@ -909,7 +910,7 @@ def _lower_priority() -> None:
 
 
 def _fault_sleep_before_commit(step: int) -> None:
-    spec = os.environ.get(FAULT_SLEEP_BEFORE_COMMIT)
+    spec = envvars.TRACKS_FAULT_SLEEP_BEFORE_COMMIT.get()
     if not spec:
         return
     seconds, _, at_step = spec.partition("@")

@@ -20,9 +20,10 @@ import torch
 
 from pipeline.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from pipeline.checkpoint.layout import TRAINER_STATE_FILE
+from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.manager import CheckpointConfig, CheckpointManager
 from pipeline.checkpoint.state import TrainingState, probe_logits
-from pipeline.checkpoint.verify import CheckpointContents, load_checkpoint
+from pipeline.checkpoint.verify import CheckpointContents
 from pipeline.determinism import use_deterministic_kernels
 
 EXIT_OK = 0

@@ -38,13 +38,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline import redact
+from pipeline import envvars, redact
+from pipeline.distributed.ranks import ranks_summary_path
 from pipeline.trainer import exit_codes
 
-OUTCOME_DIR_ENV = "TRACKS_RANK_OUTCOME_DIR"
-LAUNCHER_PID_ENV = "TRACKS_LAUNCHER_PID"
+OUTCOME_DIR_ENV = envvars.TRACKS_RANK_OUTCOME_DIR.name
+LAUNCHER_PID_ENV = envvars.TRACKS_LAUNCHER_PID.name
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-TERMINATION_LOG_ENV = "TRACKS_TERMINATION_LOG"
 _K8S_TERMINATION_LOG = Path("/dev/termination-log")
 # The agent stamps a rank it saw die with int(time.time()) at its next poll (every 0.1 s), up
 # to 1.1 s off the moment of death; a rank's own outcome is stamped to the millisecond. Only
@@ -88,15 +88,15 @@ def die_with_launcher() -> None:
     torchrun starts each rank in a session of its own, so a launcher killed outright (SIGKILL
     after the grace period) would otherwise leave its ranks training with nobody watching.
     """
-    expected = os.environ.get(LAUNCHER_PID_ENV)
-    if not expected or not sys.platform.startswith("linux"):
+    expected = envvars.TRACKS_LAUNCHER_PID.get()
+    if expected is None or not sys.platform.startswith("linux"):
         return
     import ctypes
     import signal
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if str(os.getppid()) != expected:  # the launcher died before prctl took effect
+    if os.getppid() != expected:  # the launcher died before prctl took effect
         os._exit(128 + int(signal.SIGKILL))
 
 
@@ -113,8 +113,8 @@ def write_rank_outcome(
     gpu_seconds: float = 0.0,
 ) -> None:
     """Called by each rank on its way out, when launched by this module."""
-    directory = os.environ.get(OUTCOME_DIR_ENV)
-    if not directory:
+    directory = envvars.TRACKS_RANK_OUTCOME_DIR.get()
+    if directory is None:
         return
     from pipeline.durable import replace_atomically
 
@@ -231,7 +231,7 @@ def decide_exit(outcomes: list[RankOutcome]) -> tuple[int, RankOutcome | None]:
 
 def write_termination_message(first: RankOutcome | None, exit_code: int, world_size: int) -> None:
     """Kubernetes shows this file's content as the container's termination message."""
-    target = os.environ.get(TERMINATION_LOG_ENV)
+    target = envvars.TRACKS_TERMINATION_LOG.get()
     path = Path(target) if target else _K8S_TERMINATION_LOG
     if not target and not path.exists():
         return
@@ -248,7 +248,7 @@ def write_termination_message(first: RankOutcome | None, exit_code: int, world_s
 
 def launched_here() -> bool:
     """True in a rank started by this module (its outcome reaches the launcher)."""
-    return bool(os.environ.get(OUTCOME_DIR_ENV))
+    return envvars.TRACKS_RANK_OUTCOME_DIR.is_set()
 
 
 def _trainer_args(trainer_args: list[str]) -> argparse.Namespace:
@@ -272,7 +272,7 @@ def end_deferred_attempt(
     closed all the same, with what the other ranks and the agent saw.
     """
     known = _trainer_args(trainer_args)
-    url = known.ledger_url or os.environ.get("TRACKS_LEDGER_URL")
+    url = known.ledger_url or envvars.TRACKS_LEDGER_URL.get()
     rank0 = next((o for o in outcomes if o.rank == 0), None)
     numbers = {o.attempt_no for o in outcomes if o.attempt_no is not None}
     if (
@@ -297,14 +297,6 @@ def end_deferred_attempt(
         cpu_seconds=sum(o.cpu_seconds for o in outcomes),
         gpu_seconds=rank0.gpu_seconds if rank0 else 0.0,
     )
-
-
-def ranks_summary_path(store: str | Path, run_id: str, attempt_no: int) -> Path:
-    """``<store>/<run_id>/attempt-<n>.ranks.json``: every rank's ending and the first failure."""
-    from pipeline import ids
-    from pipeline.checkpoint.layout import run_dir
-
-    return run_dir(store, run_id) / f"attempt-{ids.attempt_no(attempt_no)}.ranks.json"
 
 
 def _with_signals_from_last_words(

@@ -28,6 +28,7 @@ from pipeline.ledger.records import PromotionRecord
 from pipeline.mlflow_setup import CHAMPION_ALIAS, DEFAULT_MODEL_NAME
 from pipeline.promotion.comparison import load_outcomes
 from pipeline.promotion.gate import GateDecision, QualityGate
+from pipeline.serving.registry import promotion_for_version, registered_champion
 from pipeline.states import PromotionDecision
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def champion_version(
     """The model version the ``champion`` alias points at, or None if there is none yet."""
     from pipeline.mlflow_setup import mlflow_client
 
-    return _champion(mlflow_client(settings), model_name)
+    return registered_champion(mlflow_client(settings), model_name)
 
 
 def promote(
@@ -86,13 +87,13 @@ def promote(
     required = list(required) if required is not None else required_evaluators()
     client = mlflow_client(settings)
 
-    champion = _champion(client, model_name)
+    champion = registered_champion(client, model_name)
     # The SQL registry hands versions back as ints; the ledger and tags hold strings.
     previous = str(champion.version) if champion else None
     champion_sha = _champion_manifest_sha(ledger, model_name, champion)
     gate = gate or QualityGate()
     candidate_evaluations = ledger.evaluations_for_checkpoint(checkpoint.manifest_sha256)
-    champion_row = _promotion_for_version(ledger, model_name, previous) if previous else None
+    champion_row = promotion_for_version(ledger, model_name, previous) if previous else None
     reevaluation = None
     if champion_row is not None and champion_sha != checkpoint.manifest_sha256:
         from pipeline.promotion.baseline import reevaluate_champion_if_needed
@@ -157,7 +158,7 @@ def promote(
     with tempfile.TemporaryDirectory(prefix="tracks-promote-") as private:
         staged = stage_served_files(checkpoint.path, checkpoint.manifest_sha256, Path(private))
         if champion is not None and champion_sha == checkpoint.manifest_sha256:
-            existing = _promotion_for_version(ledger, model_name, str(champion.version))
+            existing = promotion_for_version(ledger, model_name, str(champion.version))
             if existing is not None:
                 return existing  # already the champion, and already recorded
             version = str(champion.version)
@@ -167,7 +168,7 @@ def promote(
             version = _register(
                 client, settings, model_name, checkpoint, record, evaluations, decision, staged
             )
-            now = _champion(client, model_name)
+            now = registered_champion(client, model_name)
             if (str(now.version) if now else None) != previous:
                 # Another promotion crowned a version after this one was compared against
                 # `previous`: moving the alias now would skip the comparison with it.
@@ -222,18 +223,6 @@ def _champion_changed(
     return dataclasses.replace(record, reason=reason, gate=gate, decided_at=utcnow())
 
 
-def _champion(client: MlflowClient, model_name: str) -> ModelVersion | None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return client.get_model_version_by_alias(model_name, CHAMPION_ALIAS)
-    except MlflowException as exc:
-        # No registered model yet, or a model without the alias.
-        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-            return None
-        raise
-
-
 class UnvouchedCheckpointError(Exception):
     """A checkpoint the ledger does not record as committed with the bytes on disk."""
 
@@ -257,19 +246,12 @@ def _require_ledger_committed(ledger: Ledger, checkpoint: CommittedCheckpoint, r
         )
 
 
-def _promotion_for_version(ledger: Ledger, model_name: str, version: str) -> PromotionRecord | None:
-    for row in ledger.promotions(model_name=model_name, decision=PromotionDecision.PROMOTED):
-        if row.model_version == str(version):
-            return row
-    return None
-
-
 def _champion_manifest_sha(
     ledger: Ledger, model_name: str, champion: ModelVersion | None
 ) -> str | None:
     if champion is None:
         return None
-    row = _promotion_for_version(ledger, model_name, str(champion.version))
+    row = promotion_for_version(ledger, model_name, str(champion.version))
     if row is not None:
         return row.checkpoint_manifest_sha256
     return champion.tags.get("checkpoint_manifest_sha256")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline import ids, safepath
 from pipeline.digests import DigestAlgorithm, new_hasher, recorded_digest
 from pipeline.mlflow_setup import CHAMPION_ALIAS, DEFAULT_MODEL_NAME
+from pipeline.serving.registry import promotion_for_version, registered_champion
 
 if TYPE_CHECKING:
     import numpy as np
@@ -264,15 +265,14 @@ def load_champion(
 ) -> ServedModel:
     """The ``champion`` version of ``model_name``, verified against its promotion record."""
     from pipeline.mlflow_setup import mlflow_client
-    from pipeline.promotion.promote import _champion, _promotion_for_version
 
     ids.model_name(model_name)
     client = mlflow_client(settings)
-    version = _champion(client, model_name)
+    version = registered_champion(client, model_name)
     if version is None:
         raise LookupError(f"{model_name} has no {CHAMPION_ALIAS} version to serve")
     number = str(version.version)
-    record = _promotion_for_version(ledger, model_name, number)
+    record = promotion_for_version(ledger, model_name, number)
     if record is None or not record.serving_manifest:
         raise ChampionVerificationError(
             model_name, number, "the ledger has no promotion with a serving manifest for it"

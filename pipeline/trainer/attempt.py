@@ -19,9 +19,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline import ids, redact
+from pipeline import envvars, ids, redact
 from pipeline.checkpoint import layout
 from pipeline.checkpoint.layout import parse_checkpoint_dir_name, replace_atomically
+from pipeline.fencing import fenced_detail
 from pipeline.states import Purpose, TerminationReason
 
 if TYPE_CHECKING:
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
     from pipeline.trainer.reporting import Reporter
 
 # How often a running trainer tells the ledger it is alive (and the step it reached); drills
-# shorten it with TRACKS_HEARTBEAT_SECONDS so the receipt follows the steps closely.
-HEARTBEAT_SECONDS = float(os.environ.get("TRACKS_HEARTBEAT_SECONDS") or 5.0)
+# shorten it with TRACKS_HEARTBEAT_SECONDS so the receipt follows the steps closely (read when
+# the handle is made, never at import).
 _LAST_WORDS_RE = re.compile(r"^attempt-(\d+)(?:\.rank-\d+)?\.last_words\.json\Z")
 
 
@@ -96,6 +97,7 @@ class AttemptHandle:
         self.begun = not self.owns_attempt
         self._reporter = reporter
         self._last_heartbeat = 0.0
+        self._heartbeat_seconds = envvars.TRACKS_HEARTBEAT_SECONDS.get()
 
     def begin(
         self,
@@ -218,7 +220,7 @@ class AttemptHandle:
         if self.ledger is None or self.attempt_no is None:
             return
         now = time.monotonic()
-        if not force and now - self._last_heartbeat < HEARTBEAT_SECONDS:
+        if not force and now - self._last_heartbeat < self._heartbeat_seconds:
             return
         self._last_heartbeat = now
         try:
@@ -235,8 +237,6 @@ class AttemptHandle:
         assert self.attempt_no is not None
         detail = outcome.detail
         if outcome.reason == TerminationReason.FENCED:
-            from pipeline.attempts import fenced_detail  # names the attempt that took over
-
             detail = fenced_detail(self.ledger, self.run_id, self.attempt_no, outcome.step)
         self.ledger.end_attempt(
             self.run_id,

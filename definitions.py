@@ -1,4 +1,8 @@
-"""The one place the Dagster ``Definitions`` are assembled.
+"""The Dagster code location: the one place the ``Definitions`` are assembled.
+
+Top level, beside workspace.yaml, as Dagster projects keep it: ``pipeline/`` is the
+framework-free core and never imports Dagster; ``assets/``, ``resources/`` and ``sensors/`` are
+the thin Dagster layers this module puts together.
 
 Resources are chosen per deployment by ``TRACKS_ENV`` (``local`` by default): SQLite and local
 folders under ``TRACKS_HOME`` locally; PostgreSQL URLs (required) in ``production``.
@@ -6,30 +10,28 @@ folders under ``TRACKS_HOME`` locally; PostgreSQL URLs (required) in ``productio
 
 from __future__ import annotations
 
-import os
-
 import dagster as dg
 
 from assets import ALL_ASSET_CHECKS, ALL_ASSETS
-from pipeline import redact
+from pipeline import envvars, redact
 from pipeline.settings import TracksSettings
 from resources import LedgerResource, MlflowResource, StorageResource, TrainerLauncherResource
 from sensors import ALL_JOBS, ALL_SCHEDULES, ALL_SENSORS
 
 
 class DeploymentError(Exception):
-    pass
+    """A deployment whose settings this code location refuses to start with."""
 
 
-def _from_env(name: str, value: str) -> str | dg.EnvVar:
+def _from_env(variable: envvars.UrlVariable, value: str) -> str | dg.EnvVar:
     # A URL that came from the environment stays there: Dagster stores and shows the variable's
     # name in resource config (the UI, run storage), never the URL and its password.
-    return dg.EnvVar(name) if os.environ.get(name) == value else value
+    return dg.EnvVar(variable.name) if variable.get() == value else value
 
 
 def _resources(settings: TracksSettings) -> dict[str, dg.ConfigurableResource]:
     return {
-        "ledger": LedgerResource(url=_from_env("TRACKS_LEDGER_URL", settings.ledger_url)),
+        "ledger": LedgerResource(url=_from_env(envvars.TRACKS_LEDGER_URL, settings.ledger_url)),
         "storage": StorageResource(
             landing_root=str(settings.landing_root),
             snapshot_root=str(settings.snapshot_root),
@@ -37,7 +39,7 @@ def _resources(settings: TracksSettings) -> dict[str, dg.ConfigurableResource]:
             work_root=str(settings.work_root),
         ),
         "mlflow": MlflowResource(
-            tracking_uri=_from_env("TRACKS_MLFLOW_URI", settings.mlflow_tracking_uri),
+            tracking_uri=_from_env(envvars.TRACKS_MLFLOW_URI, settings.mlflow_tracking_uri),
             artifact_root=str(settings.mlflow_artifact_root),
         ),
         "trainer": TrainerLauncherResource(),
@@ -49,20 +51,24 @@ def resources_for(env_name: str, settings: TracksSettings) -> dict[str, dg.Confi
     if env_name == "local":
         return _resources(settings)
     if env_name == "production":
-        for name, url in (
-            ("TRACKS_LEDGER_URL", settings.ledger_url),
-            ("TRACKS_MLFLOW_URI", settings.mlflow_tracking_uri),
+        for variable, url in (
+            (envvars.TRACKS_LEDGER_URL, settings.ledger_url),
+            (envvars.TRACKS_MLFLOW_URI, settings.mlflow_tracking_uri),
         ):
             if not url.startswith("postgresql"):
                 raise DeploymentError(
-                    f"TRACKS_ENV=production needs {name} to be a PostgreSQL URL, "
+                    f"{envvars.TRACKS_ENV.name}=production needs {variable.name} to be a "
+                    "PostgreSQL URL, "
                     f"got {redact.database_url(url)!r}"
                 )
         return _resources(settings)
-    raise DeploymentError(f"TRACKS_ENV must be 'local' or 'production', got {env_name!r}")
+    raise DeploymentError(
+        f"{envvars.TRACKS_ENV.name} must be 'local' or 'production', got {env_name!r}"
+    )
 
 
 def build_definitions(settings: TracksSettings | None = None) -> dg.Definitions:
+    """The code location's Definitions, with the resources ``TRACKS_ENV`` selects."""
     settings = settings or TracksSettings.from_env()
     settings.ensure_dirs()
     return dg.Definitions(
@@ -79,7 +85,7 @@ def build_definitions(settings: TracksSettings | None = None) -> dg.Definitions:
         jobs=ALL_JOBS,
         sensors=ALL_SENSORS,
         schedules=ALL_SCHEDULES,
-        resources=resources_for(os.environ.get("TRACKS_ENV", "local"), settings),
+        resources=resources_for(envvars.TRACKS_ENV.get(), settings),
     )
 
 
