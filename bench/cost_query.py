@@ -32,6 +32,7 @@ import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline import envvars
 from pipeline.ledger import Ledger
 from pipeline.ledger.ledger import cost_by_reason_query, normalise_url
 
@@ -282,7 +283,11 @@ def main() -> int:
 
             results["seed SQL as written"] = timed(run_seed, args.repeat)
         if args.cli:
-            env = {**os.environ, "TRACKS_LEDGER_URL": url, "TRACKS_HOME": tmp.name}
+            env = {
+                **os.environ,
+                envvars.TRACKS_LEDGER_URL.name: url,
+                envvars.TRACKS_HOME.name: tmp.name,
+            }
             cmd = [sys.executable, "-m", "pipeline.cli", "cost", "--family", args.family]
             results["tracks cost (process, end to end)"] = timed(
                 lambda: subprocess.run(

@@ -60,6 +60,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from pipeline import envvars  # noqa: E402
 from pipeline.checkpoint import (  # noqa: E402
     CorruptCheckpointError,
     checkpoint_dirs,
@@ -363,11 +364,11 @@ class Drill:
             return "random", {}, target
         step = candidates[0]
         hook = (
-            "TRACKS_FAULT_SLEEP_DURING_WRITE"
+            envvars.TRACKS_FAULT_SLEEP_DURING_WRITE
             if mode == "mid_file"
-            else "TRACKS_FAULT_SLEEP_BEFORE_COMMIT"
+            else envvars.TRACKS_FAULT_SLEEP_BEFORE_COMMIT
         )
-        return mode, {hook: f"{HOOK_SECONDS}@{step}"}, step
+        return mode, {hook.name: f"{HOOK_SECONDS}@{step}"}, step
 
     def newest_step(self, run_id: str) -> int:
         committed = checkpoint_dirs(self.store / run_id)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline import envvars
 from pipeline.data.landing import write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
 from pipeline.ledger import Ledger
@@ -74,11 +75,11 @@ def main() -> None:
     write_digits_landing(home / "landing")
     snapshot = snapshot_id_for(home / "landing")
     env = {
-        "TRACKS_HOME": str(home),
-        "DAGSTER_HOME": str(home / "dagster"),
-        "TRACKS_AUTOMATION": "off",
+        envvars.TRACKS_HOME.name: str(home),
+        envvars.DAGSTER_HOME.name: str(home / "dagster"),
+        envvars.TRACKS_AUTOMATION.name: "off",
         # Hold the trainer at step 250 so the kill lands mid-run, after step 200 committed.
-        "TRACKS_FAULT_SLEEP_AFTER_STEP": "5@250",
+        envvars.TRACKS_FAULT_SLEEP_AFTER_STEP.name: "5@250",
     }
     server = DagsterDev(env=env, log_path=home / "dagster-dev.log")
     rows = []

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from pipeline import ids, redact, safepath
+from pipeline import envvars, ids, redact, safepath
 from pipeline.durable import replace_atomically
 from pipeline.settings import TracksSettings
 
@@ -48,20 +48,20 @@ def _ledger(settings: TracksSettings):
         return Ledger.open(settings.ledger_url)
     except DatabaseUrlError as exc:
         raise click.ClickException(
-            f"cannot open the ledger at {shown} (TRACKS_LEDGER_URL): {exc.problem}"
+            f"cannot open the ledger at {shown} ({envvars.TRACKS_LEDGER_URL.name}): {exc.problem}"
         ) from None
     except (ArgumentError, NoSuchModuleError, DBAPIError) as exc:
         # SQLAlchemy's own words name neither the variable nor the database.
         raise click.ClickException(
-            f"cannot open the ledger at {shown} (TRACKS_LEDGER_URL): "
+            f"cannot open the ledger at {shown} ({envvars.TRACKS_LEDGER_URL.name}): "
             + _one_line(getattr(exc, "orig", None) or exc)
         ) from None
 
 
 def _dagster_home(settings: TracksSettings) -> Path:
     # Absolute, as Dagster requires: a relative DAGSTER_HOME would be refused later, elsewhere.
-    home = Path(os.environ.get("DAGSTER_HOME") or settings.home / "dagster").resolve()
-    os.environ["DAGSTER_HOME"] = str(home)
+    home = (envvars.DAGSTER_HOME.get() or settings.home / "dagster").resolve()
+    os.environ[envvars.DAGSTER_HOME.name] = str(home)
     return home
 
 
@@ -79,7 +79,7 @@ class TracksGroup(click.Group):
         except KeyboardInterrupt:
             raise click.exceptions.Abort() from None
         except Exception as exc:
-            if os.environ.get("TRACKS_DEBUG"):
+            if envvars.TRACKS_DEBUG.get():
                 click.echo(redact.text(traceback.format_exc()), err=True)
             raise click.ClickException(_one_line(exc)) from None
 
@@ -149,7 +149,9 @@ def landing() -> None:
 
 @landing.command("digits")
 @click.option(
-    "--landing-dir", type=click.Path(path_type=Path), help="Default: $TRACKS_HOME/landing."
+    "--landing-dir",
+    type=click.Path(path_type=Path),
+    help=f"Default: ${envvars.TRACKS_HOME.name}/landing.",
 )
 @click.option(
     "--drift",
@@ -188,7 +190,7 @@ def instance_init(postgres: bool) -> None:
     """Write dagster.yaml into DAGSTER_HOME (default $TRACKS_HOME/dagster)."""
     home = _dagster_home(_settings())
     _write_instance_yaml(home, postgres=postgres)
-    click.echo(f"DAGSTER_HOME={home}")
+    click.echo(f"{envvars.DAGSTER_HOME.name}={home}")
 
 
 def _write_instance_yaml(home: Path, *, postgres: bool) -> None:
@@ -228,7 +230,7 @@ def demo(fresh_data: bool, nproc_per_node: int) -> None:
     snapshot = snapshot_id_for(settings.landing_root)
     click.echo(f"snapshot {snapshot} from {settings.landing_root}")
 
-    from pipeline.definitions import defs
+    from definitions import defs
     from sensors import materialize_snapshot
 
     with dg.DagsterInstance.get() as dagster_instance:
@@ -288,7 +290,7 @@ def canary(max_steps: int, max_minutes: float) -> None:
     settings = _settings()
     _write_instance_yaml(_dagster_home(settings), postgres=False)
 
-    from pipeline.definitions import defs
+    from definitions import defs
     from sensors.canary import run_canary
 
     with dg.DagsterInstance.get() as dagster_instance:

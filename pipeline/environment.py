@@ -12,6 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from pipeline import envvars
 from pipeline.digests import sha256_json
 
 
@@ -24,10 +25,10 @@ def container_digest() -> str:
     by digest (a tag names different images over time). Outside a container the locked
     environment is what identifies the software.
     """
-    image = os.environ.get("TRACKS_IMAGE_DIGEST")
+    image = envvars.TRACKS_IMAGE_DIGEST.get()
     if image:
         return image
-    reference = os.environ.get("TRACKS_IMAGE", "")
+    reference = envvars.TRACKS_IMAGE.get() or ""
     if "@sha256:" in reference:
         return reference.rsplit("@", 1)[1]
     dists = sorted(
@@ -42,7 +43,7 @@ def container_digest() -> str:
 
 def code_commit(repo: str | Path | None = None) -> str | None:
     """The git commit of the code, from ``TRACKS_CODE_COMMIT`` or the working tree."""
-    if commit := os.environ.get("TRACKS_CODE_COMMIT"):
+    if commit := envvars.TRACKS_CODE_COMMIT.get():
         return commit
     cwd = Path(repo) if repo else Path(__file__).resolve().parent.parent
     try:
@@ -76,9 +77,9 @@ def placement(world_size: int = 1) -> dict[str, Any]:
         "host": socket.gethostname(),
         # TRACKS_*: what the trainer manifests Tracks renders set (pipeline/kube/render.py);
         # the plain names: what a hand-written pod spec usually sets through the downward API.
-        "pod": _first_env("TRACKS_POD_NAME", "POD_NAME", "HOSTNAME_POD"),
-        "node": _first_env("TRACKS_NODE_NAME", "NODE_NAME"),
-        "namespace": _first_env("TRACKS_POD_NAMESPACE", "POD_NAMESPACE"),
+        "pod": envvars.TRACKS_POD_NAME.get() or _first_env("POD_NAME", "HOSTNAME_POD"),
+        "node": envvars.TRACKS_NODE_NAME.get() or _first_env("NODE_NAME"),
+        "namespace": envvars.TRACKS_POD_NAMESPACE.get() or _first_env("POD_NAMESPACE"),
         "accelerator_type": torch.cuda.get_device_name(0) if cuda else "cpu",
         "accelerator_count": torch.cuda.device_count() if cuda else 0,
         "torch_version": torch.__version__,
@@ -90,17 +91,13 @@ def placement(world_size: int = 1) -> dict[str, Any]:
     }
 
 
-FAULT_HOOK_PREFIX = "TRACKS_FAULT_"
-
-
 def fault_hooks(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The drill hooks (``TRACKS_FAULT_*``) set in this process's environment, by name.
 
     Recorded with the attempt's placement: a receipt of a drilled attempt says so, since the
     hooks pause, slow or break the trainer on purpose.
     """
-    env = os.environ if env is None else env
-    return {name: env[name] for name in sorted(env) if name.startswith(FAULT_HOOK_PREFIX)}
+    return envvars.drill_hooks_set(env)
 
 
 def _first_env(*names: str) -> str | None:

@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from pipeline import redact
+from pipeline import envvars, redact
+from pipeline.envvars import Environ
 
-DEFAULT_HOME = ".tracks"
 _URL_FIELDS = ("ledger_url", "mlflow_tracking_uri")
 
 
@@ -67,25 +67,27 @@ class TracksSettings:
         return f"TracksSettings({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     @classmethod
-    def from_env(cls, environ: os._Environ[str] | dict[str, str] | None = None) -> TracksSettings:
+    def from_env(cls, environ: Environ | None = None) -> TracksSettings:
         """Read ``TRACKS_HOME`` (default ``.tracks``), ``TRACKS_LEDGER_URL``, ``TRACKS_MLFLOW_URI``.
 
         The defaults put everything under the home folder: SQLite for the ledger and
-        MLflow, plain directories for landing files, snapshots and checkpoints.
+        MLflow, plain directories for landing files, snapshots and checkpoints. ``environ``
+        defaults to ``os.environ``; an empty value counts as unset ("" would be the cwd).
         """
-        env = os.environ if environ is None else environ
-        # Empty counts as unset, as for every other variable here: "" would be the cwd.
-        home = Path(env.get("TRACKS_HOME") or DEFAULT_HOME).expanduser().resolve()
+        env = environ
+        home = envvars.TRACKS_HOME.get(env).expanduser().resolve()
         return cls(
             home=home,
-            ledger_url=env.get("TRACKS_LEDGER_URL") or f"sqlite:///{home / 'ledger.db'}",
-            mlflow_tracking_uri=env.get("TRACKS_MLFLOW_URI") or f"sqlite:///{home / 'mlflow.db'}",
-            mlflow_artifact_root=Path(
-                env.get("TRACKS_MLFLOW_ARTIFACTS") or home / "mlartifacts"
+            ledger_url=envvars.TRACKS_LEDGER_URL.get(env) or f"sqlite:///{home / 'ledger.db'}",
+            mlflow_tracking_uri=(
+                envvars.TRACKS_MLFLOW_URI.get(env) or f"sqlite:///{home / 'mlflow.db'}"
+            ),
+            mlflow_artifact_root=(
+                envvars.TRACKS_MLFLOW_ARTIFACTS.get(env) or home / "mlartifacts"
             ).resolve(),
-            landing_root=_landing_root(env.get("TRACKS_LANDING"), home),
-            snapshot_root=Path(env.get("TRACKS_SNAPSHOTS") or home / "snapshots").resolve(),
-            checkpoint_root=Path(env.get("TRACKS_CHECKPOINTS") or home / "checkpoints").resolve(),
+            landing_root=_landing_root(envvars.TRACKS_LANDING.get(env), home),
+            snapshot_root=(envvars.TRACKS_SNAPSHOTS.get(env) or home / "snapshots").resolve(),
+            checkpoint_root=(envvars.TRACKS_CHECKPOINTS.get(env) or home / "checkpoints").resolve(),
             work_root=(home / "work").resolve(),
         )
 
@@ -101,7 +103,7 @@ class TracksSettings:
             path.mkdir(parents=True, exist_ok=True)
 
 
-def _landing_root(configured: str | None, home: Path) -> Path:
+def _landing_root(configured: Path | None, home: Path) -> Path:
     """The landing folder, absolute but with its own links left in place.
 
     Under ``TRACKS_HOME`` (the default ``home/landing``) nothing below the home is resolved;
@@ -109,7 +111,7 @@ def _landing_root(configured: str | None, home: Path) -> Path:
     link left in the path is then one :func:`~pipeline.data.landing.landing_files` refuses,
     where resolving it here would have read and snapshotted whatever it pointed at.
     """
-    path = Path(os.path.abspath(Path(configured).expanduser())) if configured else home / "landing"
+    path = Path(os.path.abspath(configured.expanduser())) if configured else home / "landing"
     if path.is_relative_to(home):
         return path
     return path.parent.resolve() / path.name
@@ -117,40 +119,33 @@ def _landing_root(configured: str | None, home: Path) -> Path:
 
 @dataclass(frozen=True)
 class AutomationSettings:
-    """How often the sensors look, and when a silent attempt counts as lost."""
+    """How often the sensors look, and when a silent attempt counts as lost.
 
-    resume_interval_seconds: int = 5
-    heartbeat_timeout_seconds: float = 60.0
-    new_snapshot_interval_seconds: int = 30
-    landing_settle_seconds: float = 2.0
-    nightly_cron: str = "0 3 * * *"
-    automation_on: bool = True
+    The defaults are the registry's (:mod:`pipeline.envvars`), declared there once.
+    """
+
+    resume_interval_seconds: int = envvars.TRACKS_RESUME_INTERVAL.default
+    heartbeat_timeout_seconds: float = envvars.TRACKS_HEARTBEAT_TIMEOUT.default
+    new_snapshot_interval_seconds: int = envvars.TRACKS_NEW_SNAPSHOT_INTERVAL.default
+    landing_settle_seconds: float = envvars.TRACKS_LANDING_SETTLE.default
+    nightly_cron: str = envvars.TRACKS_NIGHTLY_CRON.default
+    automation_on: bool = envvars.TRACKS_AUTOMATION.default
 
     @classmethod
-    def from_env(
-        cls, environ: os._Environ[str] | dict[str, str] | None = None
-    ) -> AutomationSettings:
+    def from_env(cls, environ: Environ | None = None) -> AutomationSettings:
         """Read the ``TRACKS_*`` variables named after each field.
 
         ``TRACKS_RESUME_INTERVAL``, ``TRACKS_HEARTBEAT_TIMEOUT``, ``TRACKS_NEW_SNAPSHOT_INTERVAL``,
         ``TRACKS_LANDING_SETTLE``, ``TRACKS_NIGHTLY_CRON``; ``TRACKS_AUTOMATION`` (on/off) says
-        whether the new-data sensor and the nightly schedule start running by default.
+        whether the new-data sensor and the nightly schedule start running by default. A value
+        that does not parse raises :class:`~pipeline.envvars.SettingError`, naming it.
         """
-        env = os.environ if environ is None else environ
-        default = cls()
+        env = environ
         return cls(
-            resume_interval_seconds=int(
-                env.get("TRACKS_RESUME_INTERVAL", default.resume_interval_seconds)
-            ),
-            heartbeat_timeout_seconds=float(
-                env.get("TRACKS_HEARTBEAT_TIMEOUT", default.heartbeat_timeout_seconds)
-            ),
-            new_snapshot_interval_seconds=int(
-                env.get("TRACKS_NEW_SNAPSHOT_INTERVAL", default.new_snapshot_interval_seconds)
-            ),
-            landing_settle_seconds=float(
-                env.get("TRACKS_LANDING_SETTLE", default.landing_settle_seconds)
-            ),
-            nightly_cron=env.get("TRACKS_NIGHTLY_CRON", default.nightly_cron),
-            automation_on=env.get("TRACKS_AUTOMATION", "on").lower() not in ("off", "0", "false"),
+            resume_interval_seconds=envvars.TRACKS_RESUME_INTERVAL.get(env),
+            heartbeat_timeout_seconds=envvars.TRACKS_HEARTBEAT_TIMEOUT.get(env),
+            new_snapshot_interval_seconds=envvars.TRACKS_NEW_SNAPSHOT_INTERVAL.get(env),
+            landing_settle_seconds=envvars.TRACKS_LANDING_SETTLE.get(env),
+            nightly_cron=envvars.TRACKS_NIGHTLY_CRON.get(env),
+            automation_on=envvars.TRACKS_AUTOMATION.get(env),
         )

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline import redact
+from pipeline import envvars, redact
 from pipeline.durable import make_dir_durably
 
 if TYPE_CHECKING:
@@ -318,6 +317,4 @@ def mirror_attempt(
 def mirror_in_trainer_env(ledger: Ledger, run_id: str, attempt_no: int) -> str | None:
     """:func:`mirror_attempt` to the MLflow the trainer's environment names
     (``TRACKS_MLFLOW_URI``): for a launcher that runs with the trainer's environment."""
-    return mirror_attempt(
-        ledger, run_id, attempt_no, tracking_uri=os.environ.get("TRACKS_MLFLOW_URI")
-    )
+    return mirror_attempt(ledger, run_id, attempt_no, tracking_uri=envvars.TRACKS_MLFLOW_URI.get())

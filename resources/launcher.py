@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import dagster as dg
 from dagster._core.errors import DagsterExecutionInterruptedError
 
-from pipeline import redact
+from pipeline import envvars, redact
 from pipeline.kube.spec import (
     Backend,
     InvalidTrainerSpecError,
@@ -228,7 +228,7 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         A deployment setting, never run config: whoever launches a run would otherwise choose
         the program that starts with the ledger's and MLflow's credentials in its environment.
         """
-        return os.environ.get("TRACKS_TRAINER_PYTHON") or sys.executable
+        return envvars.TRACKS_TRAINER_PYTHON.get() or sys.executable
 
     def world(self, env: Mapping[str, str] | None = None) -> tuple[TrainerBackend, int]:
         """The backend and the number of ranks, checked (a clear error for a bad run config).
@@ -492,5 +492,5 @@ def _check_on_shared_volume(spec: TrainerSpec) -> None:
                 f"resources.trainer.config.checkpoint_mount_path is {mount}, but the trainer is "
                 f"handed {arg}, outside it: the trainer pods see only {spec.checkpoint_pvc} "
                 f"there, so the step pod must mount the same claim at {mount} and keep its "
-                "storage roots (TRACKS_HOME) under it",
+                f"storage roots ({envvars.TRACKS_HOME.name}) under it",
             )

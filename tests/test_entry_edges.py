@@ -77,7 +77,7 @@ def test_the_production_check_never_prints_the_password_of_a_url_it_cannot_parse
         TRACKS_LEDGER_URL="mysql:/tracks:hunter2@db/ledger",
     )
     done = subprocess.run(
-        [sys.executable, "-c", "import pipeline.definitions"],
+        [sys.executable, "-c", "import definitions"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode != 0 and "TRACKS_LEDGER_URL" in done.stderr, done.stderr[-2000:]

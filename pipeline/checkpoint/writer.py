@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pipeline import envvars
 from pipeline.checkpoint.direct_io import (
     DIRECT_ALIGN,
     DIRECT_MIN_BYTES,
@@ -46,8 +47,8 @@ from pipeline.digests import FILE_DIGEST, Hasher, new_hasher, sha256_bytes
 
 # Test hooks, both "N" or "seconds@N" (N: the checkpoint's step), acting halfway through
 # optimizer.safetensors, so the directory holds a complete file and a half-written one.
-FAULT_ENOSPC_AT_STEP = "TRACKS_FAULT_ENOSPC_AT_STEP"  # raise OSError(ENOSPC) there
-FAULT_SLEEP_DURING_WRITE = "TRACKS_FAULT_SLEEP_DURING_WRITE"  # "seconds@N": pause there
+# TRACKS_FAULT_ENOSPC_AT_STEP raises OSError(ENOSPC) there; TRACKS_FAULT_SLEEP_DURING_WRITE
+# ("seconds@N") pauses there.
 
 _WRITE_SLICE = 64 * 1024 * 1024  # per write(2): large, but under Linux's 2 GiB limit
 _HASH_IN_THREAD_BYTES = 8 * 1024 * 1024  # below this, a thread costs more than it saves
@@ -487,8 +488,8 @@ def naming_step(exc: OSError, path: Path | str, step: int) -> OSError:
 
 
 def _fault_halfway(step: int) -> Callable[[], None] | None:
-    enospc = os.environ.get(FAULT_ENOSPC_AT_STEP)
-    sleep = os.environ.get(FAULT_SLEEP_DURING_WRITE)
+    enospc = envvars.TRACKS_FAULT_ENOSPC_AT_STEP.get()
+    sleep = envvars.TRACKS_FAULT_SLEEP_DURING_WRITE.get()
     if enospc and int(enospc.rpartition("@")[2]) == step:
 
         def fail() -> None:

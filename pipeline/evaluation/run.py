@@ -7,14 +7,13 @@ artifacts themselves (raw outputs, sampled failures, metrics, confusion matrix).
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline import redact
+from pipeline import envvars, redact
 from pipeline.evaluation.artifacts import FAILURES, RAW_OUTPUTS, write_artifacts
 from pipeline.evaluation.errors import CheckpointAttemptMismatchError, EvaluatorCrashError
 from pipeline.evaluation.eval_set import EvalSet
@@ -26,7 +25,7 @@ from pipeline.states import EvaluationStatus, TerminationReason
 # Drill hook: ``<evaluator>`` or ``<evaluator>:<n>`` makes that evaluator crash inside its
 # evaluation, the first ``n`` times for a checkpoint (counted from the ledger's failed rows, so it
 # holds across processes and retries); ``n`` defaults to every time.
-FAULT_EVALUATOR_CRASH = "TRACKS_FAULT_EVALUATOR_CRASH"
+FAULT_EVALUATOR_CRASH = envvars.TRACKS_FAULT_EVALUATOR_CRASH.name
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -181,7 +180,7 @@ class InjectedEvaluatorCrash(RuntimeError):
 
 
 def _fault_evaluator_crash(ledger: Ledger, evaluator_name: str, manifest_sha256: str) -> None:
-    spec = os.environ.get(FAULT_EVALUATOR_CRASH)
+    spec = envvars.TRACKS_FAULT_EVALUATOR_CRASH.get()
     if not spec:
         return
     name, _, times = spec.partition(":")

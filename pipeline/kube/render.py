@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from pipeline import envvars
 from pipeline.kube.spec import (
     CONTAINER_NAME,
     IMAGE_ANNOTATION,
@@ -69,18 +70,20 @@ def _user_env(spec: TrainerSpec, bootstrap_env: Mapping[str, str] | None) -> lis
     # The receipt's placement and container_digest come from these (docs/architecture.md,
     # "The ledger tables").
     env += [
-        {"name": "TRACKS_IMAGE", "value": spec.image},
-        {"name": "TRACKS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {
-            "name": "TRACKS_POD_NAMESPACE",
-            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
-        },
-        {"name": "TRACKS_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": envvars.TRACKS_IMAGE.name, "value": spec.image},
+        _downward(envvars.TRACKS_POD_NAME.name, "metadata.name"),
+        _downward(envvars.TRACKS_POD_NAMESPACE.name, "metadata.namespace"),
+        _downward(envvars.TRACKS_NODE_NAME.name, "spec.nodeName"),
     ]
     if spec.checkpoint_pvc is not None:
-        env.append({"name": "TRACKS_CHECKPOINTS", "value": spec.checkpoint_mount_path})
+        env.append({"name": envvars.TRACKS_CHECKPOINTS.name, "value": spec.checkpoint_mount_path})
     env += [{"name": k, "value": v} for k, v in (bootstrap_env or {}).items()]
     return env
+
+
+def _downward(name: str, field_path: str) -> Manifest:
+    """A variable whose value the kubelet fills in from the pod's own fields."""
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
 
 
 def _torchrun_env(spec: TrainerSpec, master_addr: str) -> list[Manifest]:

@@ -17,7 +17,7 @@ from enum import StrEnum
 from pathlib import PurePosixPath
 from types import MappingProxyType
 
-from pipeline import ids, redact
+from pipeline import envvars, ids, redact
 from pipeline.ids import InvalidIdError
 
 # The container every backend runs the trainer in. Kubeflow Trainer's torch runtime names its
@@ -34,7 +34,13 @@ IMAGE_ANNOTATION = "tracks.dev/image"
 # Variables Tracks sets itself: a user value would silently fight the contract.
 RESERVED_ENV_PREFIXES = ("PET_", "DAGSTER_PIPES_")
 RESERVED_ENV = frozenset(
-    {"TRACKS_IMAGE", "TRACKS_POD_NAME", "TRACKS_POD_NAMESPACE", "TRACKS_NODE_NAME"}
+    v.name
+    for v in (
+        envvars.TRACKS_IMAGE,
+        envvars.TRACKS_POD_NAME,
+        envvars.TRACKS_POD_NAMESPACE,
+        envvars.TRACKS_NODE_NAME,
+    )
 )
 
 # RFC 1035 label: TrainJob and Service names must start with a letter (the Trainer's CEL rule

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 import time
 import uuid
@@ -22,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from pipeline import ids, redact
+from pipeline import envvars, ids, redact
 from pipeline.ledger import schema
 from pipeline.ledger.errors import (
     SnapshotManifestChangedError,
@@ -56,9 +55,8 @@ T = TypeVar("T")
 R = TypeVar("R", RunRecord, AttemptRecord, CheckpointRecord, EvaluationRecord, PromotionRecord)
 
 # How long a transaction keeps being retried across a database restart or failover before the
-# error is raised: long enough for a PostgreSQL restart with dirty buffers to flush.
-DEFAULT_RETRY_SECONDS = 60.0
-RETRY_SECONDS_ENV = "TRACKS_LEDGER_RETRY_SECONDS"
+# error is raised (TRACKS_LEDGER_RETRY_SECONDS, default 60 s): long enough for a PostgreSQL
+# restart with dirty buffers to flush.
 # SQLSTATEs worth a retry: connection exceptions (08xxx), admin/crash shutdown and "cannot
 # connect now" while starting (57P01-57P03), serialization failure and deadlock, too many
 # connections.
@@ -150,16 +148,8 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 def _retry_budget() -> float:
-    raw = os.environ.get(RETRY_SECONDS_ENV)
-    if not raw:
-        return DEFAULT_RETRY_SECONDS
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{RETRY_SECONDS_ENV}={raw!r} is not a number of seconds") from None
-    if not 0 <= value < float("inf"):
-        raise ValueError(f"{RETRY_SECONDS_ENV}={raw!r} must be a finite number >= 0")
-    return value
+    # Read per transaction, not at import: a SettingError names a bad value.
+    return envvars.TRACKS_LEDGER_RETRY_SECONDS.get()
 
 
 def _raised(column: sa.Column[Any], value: int) -> Any:

@@ -7,8 +7,9 @@ exits with a code from :mod:`pipeline.trainer.exit_codes` (0: the final checkpoi
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+from pipeline import envvars
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -18,13 +19,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--store", required=True, help="checkpoint store; the run uses STORE/RUN")
     parser.add_argument(
         "--ledger-url",
-        help="SQLAlchemy URL of the ledger (optional). Default: $TRACKS_LEDGER_URL; prefer the "
-        "variable when the URL holds a password, since argv is visible to every user in ps",
+        help="SQLAlchemy URL of the ledger (optional). Default: "
+        f"${envvars.TRACKS_LEDGER_URL.name}; prefer the variable when the URL holds a password, "
+        "since argv is visible to every user in ps",
     )
     parser.add_argument("--attempt-no", type=int, help="attempt begun by an orchestrator")
     parser.add_argument("--fencing-token", type=int, help="that attempt's fencing token")
     args = parser.parse_args(argv)
-    args.ledger_url = args.ledger_url or os.environ.get("TRACKS_LEDGER_URL") or None
+    args.ledger_url = args.ledger_url or envvars.TRACKS_LEDGER_URL.get() or None
     if args.ledger_url and (args.attempt_no is None) != (args.fencing_token is None):
         parser.error("--attempt-no and --fencing-token go together")
     return args

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline import redact
+from pipeline import envvars, redact
 from pipeline.checkpoint import (
     CheckpointConfig,
     CheckpointInfo,
@@ -65,14 +65,14 @@ from pipeline.trainer.stop import StopRequest
 
 # Test hook: after step N, pause ("seconds@N") until the pause ends or a stop is requested,
 # so a drill can SIGKILL or SIGTERM the trainer at a known step.
-FAULT_SLEEP_AFTER_STEP = "TRACKS_FAULT_SLEEP_AFTER_STEP"
+FAULT_SLEEP_AFTER_STEP = envvars.TRACKS_FAULT_SLEEP_AFTER_STEP.name
 # Test hook: a "smaller node": the first step raises torch.OutOfMemoryError when the batch is
 # larger than this, so drills can exercise the OOM reason and its retry rule on a CPU.
-FAULT_OOM_ABOVE_BATCH = "TRACKS_FAULT_OOM_ABOVE_BATCH"
+FAULT_OOM_ABOVE_BATCH = envvars.TRACKS_FAULT_OOM_ABOVE_BATCH.name
 # Test hook: "seconds@step@rank" (step and rank may be left empty: every one) pauses that rank
 # inside the stop agreement, after it read its own flag and before it reduces, so a drill can
 # land a signal there: on this rank, or on a peer waiting in the reduction.
-FAULT_SLEEP_BEFORE_AGREEMENT = "TRACKS_FAULT_SLEEP_BEFORE_AGREEMENT"
+FAULT_SLEEP_BEFORE_AGREEMENT = envvars.TRACKS_FAULT_SLEEP_BEFORE_AGREEMENT.name
 
 
 class StoppedBeforeTraining(Exception):
@@ -506,13 +506,13 @@ class Trainer:
                 self.reporter.event("ledger_unreachable", {"error": str(exc)[:500]}, "warning")
 
     def _start_tracking(self, state: TrainingState, data: TrainingData) -> TrainingTracker | None:
-        uri = os.environ.get("TRACKS_MLFLOW_URI")
+        uri = envvars.TRACKS_MLFLOW_URI.get()
         if not uri or not self.world.leader:
             return None  # a standalone trainer without MLflow: the ledger is the record
         return TrainingTracker.start(
             lambda message: self.reporter.event("tracking_off", {"detail": message}, "warning"),
             tracking_uri=uri,
-            artifact_root=os.environ.get("TRACKS_MLFLOW_ARTIFACTS"),
+            artifact_root=envvars.TRACKS_MLFLOW_ARTIFACTS.raw(),  # as written: MLflow's location
             run_id=self.attempt.run_id,
             attempt_no=self.attempt.attempt_no or 0,
             config=state.config,
@@ -969,15 +969,15 @@ def _make_deterministic(cfg: TrainConfig) -> torch.device:
 
 
 def _fault_oom_above_batch(batch_size: int) -> None:
-    limit = os.environ.get(FAULT_OOM_ABOVE_BATCH)
-    if limit and batch_size > int(limit):
+    limit = envvars.TRACKS_FAULT_OOM_ABOVE_BATCH.get()
+    if limit is not None and batch_size > limit:
         raise torch.OutOfMemoryError(
             f"injected by {FAULT_OOM_ABOVE_BATCH}={limit}: batch {batch_size} does not fit"
         )
 
 
 def _fault_sleep_before_agreement(step: int, rank: int) -> None:
-    spec = os.environ.get(FAULT_SLEEP_BEFORE_AGREEMENT)
+    spec = envvars.TRACKS_FAULT_SLEEP_BEFORE_AGREEMENT.get()
     if not spec:
         return
     seconds, at_step, at_rank = [*spec.split("@"), "", ""][:3]
@@ -987,7 +987,7 @@ def _fault_sleep_before_agreement(step: int, rank: int) -> None:
 
 
 def _fault_sleep_after_step(step: int, stop: StopRequest, attempt: Any) -> None:
-    spec = os.environ.get(FAULT_SLEEP_AFTER_STEP)
+    spec = envvars.TRACKS_FAULT_SLEEP_AFTER_STEP.get()
     if not spec:
         return
     seconds, _, at_step = spec.partition("@")
