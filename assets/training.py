@@ -12,6 +12,12 @@ from assets.failures import step_failure
 from assets.launch import CONTINUATION_TAG, launched_by, trainer_config_source
 from assets.lineage import upstream_metadata
 from assets.partitions import snapshot_partitions
+from assets.training_config import (
+    SOURCE,
+    TRAINING_ATTEMPT_CONFIG,
+    TrainingRunConfig,
+    train_config_for_attempt,
+)
 from pipeline import ids
 from resources import (
     LedgerResource,
@@ -20,107 +26,17 @@ from resources import (
     TrainerExit,
     TrainerLauncherResource,
 )
+from resources.launcher import TrainerBackend
 
 
-class TrainingConfig(dg.Config):
-    """What to train. Defaults give a model that passes the quality gate in about a minute."""
+def _default_device(trainer: TrainerLauncherResource, backend: TrainerBackend) -> str | None:
+    """``cuda`` when the trainer resource places the run on GPUs: Kubernetes pods given
+    ``gpus``, or a CUDA device visible to this machine for the local and torchrun backends."""
+    if backend is TrainerBackend.KUBERNETES:
+        return "cuda" if trainer.gpus > 0 else None
+    import torch
 
-    model_family: str = "digits-cnn"
-    owner: str = "tracks"
-    purpose: str = "baseline"
-    run_id: str | None = None
-    """Continue this existing run (a resume or retry): its last attempt's config is reused."""
-    overrides: str | None = None
-    """With ``run_id``: YAML of keys to change for the next attempt, e.g. ``batch_size: 32``."""
-    seed: int = 0
-    # 300 steps reach ~97% held-out accuracy on the digits, well past the promotion gate.
-    max_steps: int = 300
-    batch_size: int = 64
-    learning_rate: float = 0.003
-    weight_decay: float = 0.0
-    optimizer: str = "adam"
-    checkpoint_every_steps: int = 100
-    keep_last_k: int = 3
-    channels: int = 16
-    hidden: int = 64
-    dropout: float = 0.0
-    max_wall_seconds: float | None = None
-    retry_policy: str | None = None
-    """Inline YAML with the retry policy (files are not read from run config); else the
-    defaults."""
-
-    def train_config_dict(self, snapshot_dir: Path) -> dict[str, Any]:
-        return {
-            "model_family": self.model_family,
-            "seed": self.seed,
-            "max_steps": self.max_steps,
-            "batch_size": self.batch_size,
-            "learning_rate": self.learning_rate,
-            "weight_decay": self.weight_decay,
-            "optimizer": self.optimizer,
-            "checkpoint_every_steps": self.checkpoint_every_steps,
-            "keep_last_k": self.keep_last_k,
-            "max_wall_seconds": self.max_wall_seconds,
-            "model": {"channels": self.channels, "hidden": self.hidden, "dropout": self.dropout},
-            "snapshot_dir": str(snapshot_dir),
-        }
-
-
-# What a run is, not how it trains: a continued run keeps them, or its receipt (the partition's
-# snapshot, its model family) would name data and a model it did not train.
-_RUN_IDENTITY_KEYS = ("snapshot_dir", "model_family")
-
-
-def _config_for_attempt(
-    book: Any, config: TrainingConfig, snapshot: Any, run_id: str | None
-) -> dict[str, Any]:
-    """A new run's config from the run config; a continued run's (``run_id``) from its last
-    attempt."""
-    from pipeline import yamlio
-    from pipeline.states import Purpose
-    from pipeline.trainer.config import ConfigError
-
-    if config.purpose not in {str(p) for p in Purpose}:
-        raise ConfigError(
-            "run config of training_attempt",
-            "purpose",
-            f"{config.purpose!r} is not one of {', '.join(str(p) for p in Purpose)}",
-        )
-    if not run_id:
-        return config.train_config_dict(snapshot.path)
-    run = book.get_run(ids.run_id(run_id))
-    if run.snapshot_id != snapshot.snapshot_id:
-        raise ConfigError(
-            "run config of training_attempt",
-            "run_id",
-            f"run {run.run_id} trains on snapshot {run.snapshot_id}, "
-            f"not on this partition's {snapshot.snapshot_id}",
-        )
-    last = book.latest_attempt(run.run_id)
-    base = dict(last.config_snapshot) if last else config.train_config_dict(snapshot.path)
-    try:
-        changes = (
-            yamlio.loads(config.overrides, source="overrides of training_attempt")
-            if config.overrides
-            else {}
-        )
-    except yamlio.YamlError as exc:
-        raise ConfigError("run config of training_attempt", "overrides", str(exc)) from exc
-    if not isinstance(changes, dict):
-        raise ConfigError("run config of training_attempt", "overrides", "must be a YAML mapping")
-    for key in _RUN_IDENTITY_KEYS:
-        if key in changes:
-            raise ConfigError(
-                "run config of training_attempt",
-                f"overrides.{key}",
-                f"run {run.run_id} keeps its {key}; start a new run to change it",
-            )
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            base[key] = {**base[key], **value}
-        else:
-            base[key] = value
-    return base
+    return "cuda" if torch.cuda.is_available() else None
 
 
 # How far up a chain of re-executions the ledger run is looked for (each re-execution that
@@ -154,7 +70,7 @@ def _how_to_continue(run_id: str, partition: str, last_config: Mapping[str, Any]
     return (
         f"To continue run {run_id}, change what the decision names and launch training_attempt "
         f"for partition {partition} from the Launchpad with run config `ops: {{training_attempt: "
-        f'{{config: {{run_id: {run_id}, overrides: "{change}"}}}}}}`; leave run_id out to '
+        f"{{config: {{run_id: {run_id}, train: {{{change}}}}}}}}}`; leave run_id out to "
         "start a new run instead."
     )
 
@@ -199,10 +115,10 @@ def _children_cpu_seconds() -> float:
     group_name="training",
     kinds={"pytorch"},
     description="One attempt of a training run: the trainer process, launched through Pipes.",
+    config_schema=TRAINING_ATTEMPT_CONFIG,
 )
 def training_attempt(
     context: dg.AssetExecutionContext,
-    config: TrainingConfig,
     ledger: LedgerResource,
     storage: StorageResource,
     trainer: TrainerLauncherResource,
@@ -224,8 +140,9 @@ def training_attempt(
     from pipeline.reasons import launcher_failed
     from pipeline.retry import RetryPolicyError, load_retry_policy
     from pipeline.tracking import mirror_attempt
-    from pipeline.trainer.config import ConfigError, TrainConfig
+    from pipeline.trainer.config import ConfigError
 
+    config = TrainingRunConfig(**context.op_execution_context.op_config)
     book = ledger.ledger()
     snapshot = open_snapshot(storage.snapshots() / ids.snapshot_id(context.partition_key))
     try:
@@ -256,15 +173,21 @@ def training_attempt(
             f"{run_id} (its attempt {reexecuted.attempt_no} ran in Dagster run "
             f"{reexecuted.dagster_run_id}) under its retry policy, not starting a new run"
         )
+
+    def placement_device() -> str | None:
+        device = _default_device(trainer, backend)
+        if device:
+            context.log.info(f"train.device is unset: {device}, where the trainer places the run")
+        return device
+
     try:
-        train_config = TrainConfig.from_dict(
-            _config_for_attempt(book, config, snapshot, run_id),
-            source="run config of training_attempt",
+        train_config = train_config_for_attempt(
+            book, config, snapshot, run_id, default_device=placement_device
         )
         if Path(train_config.snapshot_dir) != snapshot.path.resolve():
             # The gate above passed this partition's snapshot, and the receipt names it.
             raise ConfigError(
-                "run config of training_attempt",
+                SOURCE,
                 "snapshot_dir",
                 f"{train_config.snapshot_dir} is not this partition's snapshot {snapshot.path}",
             )
@@ -282,7 +205,7 @@ def training_attempt(
             launched_by=launch,
         )
     except ids.InvalidIdError as exc:  # model_family or run_id
-        raise step_failure(f"run config of training_attempt: {exc}", exc) from None
+        raise step_failure(f"{SOURCE}: {exc}", exc) from None
     except AttemptRefusedError as exc:
         said = str(exc)
         if reexecuted is not None:

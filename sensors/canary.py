@@ -115,14 +115,17 @@ def canary_run_config(
     max_minutes: float,
     training: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run config of the canary job: the real training config, with canary limits."""
+    """Run config of the canary job: the real training config, with canary limits
+    (``training``: more ``train`` keys, TrainConfig's)."""
     training_config: dict[str, Any] = {
         "purpose": "canary",
-        "max_steps": max_steps,
-        "checkpoint_every_steps": max(1, max_steps // 4),
-        "max_wall_seconds": max_minutes * 60 * TRAINING_SHARE_OF_MINUTES,
         "retry_policy": CANARY_RETRY_POLICY,
-        **(training or {}),
+        "train": {
+            "max_steps": max_steps,
+            "checkpoint_every_steps": max(1, max_steps // 4),
+            "max_wall_seconds": max_minutes * 60 * TRAINING_SHARE_OF_MINUTES,
+            **(training or {}),
+        },
     }
     return {
         "ops": {
@@ -145,7 +148,7 @@ def run_canary(
 
     The data lands as its own file (``canary-digits.parquet``) under ``$TRACKS_HOME/canary``, so
     the canary has its own snapshot partition and never becomes the newest checkpoint of a
-    production snapshot. ``training`` overrides training config keys (drills, tests).
+    production snapshot. ``training`` sets more ``train`` keys (drills, tests).
     """
     from pipeline.data.landing import landing_files, write_digits_landing
     from pipeline.data.snapshot import snapshot_id_for

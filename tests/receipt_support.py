@@ -7,16 +7,18 @@ from typing import Any
 
 import dagster as dg
 
+from definitions import build_definitions
 from pipeline.data.landing import write_digits_landing
 from pipeline.data.snapshot import Snapshot, create_snapshot
-from pipeline.definitions import build_definitions
 from pipeline.ledger import AttemptRecord, AttemptStart, Ledger
 from pipeline.retry import RetryPolicy, decide, policy_for_run, record_decision
 from pipeline.settings import TracksSettings
 from pipeline.states import RunStatus, TerminationReason
 
 # A run config that trains for a few seconds: the trainer is real, the model tiny.
-SMALL = {"max_steps": 5, "checkpoint_every_steps": 5, "channels": 8, "hidden": 32}
+SMALL = {
+    "train": {"max_steps": 5, "checkpoint_every_steps": 5, "model": {"channels": 8, "hidden": 32}}
+}
 
 
 def make_snapshot(settings: TracksSettings) -> Snapshot:
@@ -29,10 +31,9 @@ def make_snapshot(settings: TracksSettings) -> Snapshot:
 def train_config_of(snapshot: Snapshot) -> dict[str, Any]:
     """The config an attempt of a small run records (what a continuation reuses): the
     asset's own for :data:`SMALL`, resolved as prepare_attempt records it."""
-    from assets.training import TrainingConfig
     from pipeline.trainer.config import TrainConfig
 
-    raw = TrainingConfig(**SMALL).train_config_dict(snapshot.path)
+    raw = {**SMALL["train"], "snapshot_dir": str(snapshot.path)}
     return TrainConfig.from_dict(raw, source="test").to_dict()
 
 

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from definitions import build_definitions
 from pipeline.cli import main
-from pipeline.definitions import build_definitions
 from pipeline.digests import sha256_bytes
 from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings

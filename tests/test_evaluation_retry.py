@@ -7,9 +7,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from definitions import build_definitions
 from pipeline.data.landing import write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
-from pipeline.definitions import build_definitions
 from pipeline.evaluation.run import FAULT_EVALUATOR_CRASH
 from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings
@@ -29,7 +29,9 @@ def test_evaluator_crash_retries_the_evaluator_not_the_training(
     write_digits_landing(settings.landing_root)
     snapshot = snapshot_id_for(settings.landing_root)
     run_config = {
-        "ops": {"training_attempt": {"config": {"max_steps": 300, "retry_policy": policy}}}
+        "ops": {
+            "training_attempt": {"config": {"train": {"max_steps": 300}, "retry_policy": policy}}
+        }
     }
     with dg.DagsterInstance.get() as instance:
         result = materialize_snapshot(

@@ -118,7 +118,7 @@ async def _materialize(
         "trainer": TrainerLauncherResource(),
     }
     run_config = {
-        "ops": {"training_attempt": {"config": {"max_steps": 20}}},
+        "ops": {"training_attempt": {"config": {"train": {"max_steps": 20}}}},
         "resources": {"trainer": {"config": trainer_config}},
     }
     instance = dg.DagsterInstance.ephemeral()

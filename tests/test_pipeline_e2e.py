@@ -14,9 +14,9 @@ import dagster as dg
 import pytest
 from mlflow import MlflowClient
 
+from definitions import build_definitions
 from pipeline.data.landing import write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
-from pipeline.definitions import build_definitions
 from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings
 from sensors import materialize_snapshot
@@ -24,7 +24,7 @@ from tests.dagster_dev import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
-FAST_TRAINING = {"ops": {"training_attempt": {"config": {"max_steps": 300}}}}
+FAST_TRAINING = {"ops": {"training_attempt": {"config": {"train": {"max_steps": 300}}}}}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

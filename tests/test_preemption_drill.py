@@ -19,10 +19,15 @@ import yaml
 
 from pipeline.checkpoint import is_committed
 from pipeline.checkpoint.layout import MODEL_FILE
-from pipeline.data.landing import write_digits_landing
-from pipeline.data.snapshot import snapshot_id_for
 from pipeline.ledger import AttemptRecord, Ledger
-from tests.dagster_dev import REPO_ROOT, DagsterDev, launch_graph, trainer_pids, wait_for
+from tests.dagster_dev import (
+    REPO_ROOT,
+    DagsterDev,
+    launch_graph,
+    live_drill,
+    trainer_pids,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -34,24 +39,8 @@ TRAINING = {"max_steps": 400, "checkpoint_every_steps": 100, "keep_last_k": 5}
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DagsterDev, Path, str]]:
-    home = tmp_path_factory.mktemp("drill") / "tracks"
-    (home / "dagster").mkdir(parents=True)
-    (home / "dagster" / "dagster.yaml").write_text(
-        "telemetry:\n  enabled: false\nrun_retries:\n  enabled: false\n"
-    )
-    write_digits_landing(home / "landing")
-    env = {
-        "TRACKS_HOME": str(home),
-        "DAGSTER_HOME": str(home / "dagster"),
-        "TRACKS_AUTOMATION": "off",  # this drill launches its own runs; resume is always on
-        **PAUSE,
-    }
-    server = DagsterDev(env=env, log_path=home / "dagster-dev.log")
-    try:
-        server.wait_until_loaded()
-        yield server, home, snapshot_id_for(home / "landing")
-    finally:
-        server.stop()
+    with live_drill(tmp_path_factory.mktemp("drill") / "tracks", PAUSE) as live:
+        yield live
 
 
 def _ledger(home: Path) -> Ledger:
@@ -62,7 +51,9 @@ def _start_and_wait_for_commit(server: DagsterDev, home: Path, snapshot: str, co
     """Launch a run and return its training run id once step 200 is committed: in the ledger
     and on disk. The ledger's commit comes first (it checks the fencing token); a kill between
     the two leaves a directory without COMMITTED, which the next attempt marks corrupt."""
-    dagster_run = launch_graph(server, snapshot, {**TRAINING, **config})
+    dagster_run = launch_graph(
+        server, snapshot, {**config, "train": {**TRAINING, **config.get("train", {})}}
+    )
     ledger = _ledger(home)
 
     def committed_run() -> str | None:
@@ -102,7 +93,9 @@ def test_sensor_resumes_a_killed_trainer_to_the_uninterrupted_result(
     live: tuple[DagsterDev, Path, str], kill_signal: signal.Signals, tmp_path: Path
 ) -> None:
     server, home, snapshot = live
-    run_id = _start_and_wait_for_commit(server, home, snapshot, {"seed": int(kill_signal)})
+    run_id = _start_and_wait_for_commit(
+        server, home, snapshot, {"train": {"seed": int(kill_signal)}}
+    )
     for pid in trainer_pids(run_id):
         os.kill(pid, kill_signal)
 
@@ -149,7 +142,10 @@ def test_zero_budget_means_no_resume_and_the_attempt_says_why(
 ) -> None:
     server, home, snapshot = live
     run_id = _start_and_wait_for_commit(
-        server, home, snapshot, {"seed": 7, "retry_policy": "preempted: {max_attempts: 0}"}
+        server,
+        home,
+        snapshot,
+        {"train": {"seed": 7}, "retry_policy": "preempted: {max_attempts: 0}"},
     )
     for pid in trainer_pids(run_id):
         os.kill(pid, signal.SIGKILL)
@@ -174,7 +170,7 @@ def test_a_terminated_dagster_run_checkpoints_stops_and_is_not_resumed(
     """Terminate in the UI: the step asks the trainer to checkpoint and stop, the receipt says a
     person cancelled, and the resume sensor leaves the run alone."""
     server, home, snapshot = live
-    run_id = _start_and_wait_for_commit(server, home, snapshot, {"seed": 13})
+    run_id = _start_and_wait_for_commit(server, home, snapshot, {"train": {"seed": 13}})
     ledger = _ledger(home)
     [attempt] = ledger.attempts(run_id)
     terminated = server.graphql(TERMINATE_RUN, {"id": attempt.dagster_run_id})["terminateRun"]

@@ -165,7 +165,7 @@ def test_reexecution_of_a_run_the_policy_stopped_is_refused_saying_how_to_contin
     message = step_failure_message(result)
     assert f"Re-executing Dagster run oom-parent continues run {run_id}" in message, message
     assert f"run {run_id} gets no attempt 2" in message and "oom_config_unchanged" in message
-    assert f'config: {{run_id: {run_id}, overrides: "batch_size: 32"}}' in message, message
+    assert f"config: {{run_id: {run_id}, train: {{batch_size: 32}}}}" in message, message
     assert [r.run_id for r in ledger.find_runs()] == [run_id]  # no new run
     assert [a.attempt_no for a in ledger.attempts(run_id)] == [1]  # no attempt opened
 

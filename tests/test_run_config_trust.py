@@ -16,9 +16,9 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from definitions import build_definitions
 from pipeline.data.landing import write_digits_landing
 from pipeline.data.snapshot import create_snapshot
-from pipeline.definitions import build_definitions
 from pipeline.ledger import AttemptStart, Ledger
 from pipeline.settings import TracksSettings
 from pipeline.states import TerminationReason
@@ -75,15 +75,11 @@ def _continued_run(ledger: Ledger, snapshot: Any) -> None:
 @pytest.mark.parametrize(
     ("config", "said"),
     [
-        ({"model_family": "../x"}, "invalid model family '../x'"),
+        ({"train": {"model_family": "../x"}}, "invalid model family '../x'"),
         ({"purpose": "bogus"}, "purpose: 'bogus' is not one of baseline"),
         (
-            {"run_id": RUN, "overrides": "snapshot_dir: /tmp/other/digits-0123456789abcdef"},
-            f"overrides.snapshot_dir: run {RUN} keeps its snapshot_dir",
-        ),
-        (
-            {"run_id": RUN, "overrides": "model_family: another"},
-            f"overrides.model_family: run {RUN} keeps its model_family",
+            {"run_id": RUN, "train": {"model_family": "another"}},
+            f"train.model_family: run {RUN} keeps its model_family",
         ),
     ],
 )

@@ -29,7 +29,7 @@ SCRIPT = """
 import dagster as dg
 from pipeline.data.landing import write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
-from pipeline.definitions import build_definitions
+from definitions import build_definitions
 from pipeline.serving.champion import load_champion
 from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings
@@ -39,7 +39,7 @@ settings = TracksSettings.from_env()
 settings.ensure_dirs()
 write_digits_landing(settings.landing_root)
 snapshot = snapshot_id_for(settings.landing_root)
-run_config = {"ops": {"training_attempt": {"config": {"max_steps": 300}}}}
+run_config = {"ops": {"training_attempt": {"config": {"train": {"max_steps": 300}}}}}
 with dg.DagsterInstance.get() as instance:
     result = materialize_snapshot(build_definitions(settings), instance, snapshot,
                                   run_config=run_config)
@@ -89,7 +89,7 @@ def test_a_password_in_the_ledger_url_is_found_nowhere(tmp_path: Path, make_pg_d
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         production = subprocess.run(
-            [sys.executable, "-c", "import pipeline.definitions"], cwd=REPO,
+            [sys.executable, "-c", "import definitions"], cwd=REPO,
             env={**env, "TRACKS_ENV": "production", "TRACKS_MLFLOW_URI": url.replace(
                 "postgresql+psycopg2", "mysql")},
             capture_output=True, text=True, timeout=120,

@@ -14,9 +14,9 @@ import dagster as dg
 import pytest
 
 from assets.data import data_snapshot
+from definitions import _resources
 from pipeline.data.landing import Drift, write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
-from pipeline.definitions import _resources
 from pipeline.ledger import AttemptStart, Ledger
 from pipeline.retry import RetryPolicy, decide, policy_for_run, record_decision
 from pipeline.settings import TracksSettings

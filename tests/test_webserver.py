@@ -94,7 +94,7 @@ def test_materialize_button_runs_the_whole_graph_in_dagster_dev(tracks_home: Pat
                 ],
             },
             "runConfigData": {
-                "ops": {"training_attempt": {"config": {"max_steps": 300}}},
+                "ops": {"training_attempt": {"config": {"train": {"max_steps": 300}}}},
                 **TORCHRUN,
             },
             "executionMetadata": {"tags": [{"key": "dagster/partition", "value": snapshot}]},

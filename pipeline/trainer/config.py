@@ -1,14 +1,19 @@
 """``TrainConfig``: the flat, printed, immutable description of one training run (nanoGPT style).
 
-Loaded from YAML with every key checked: an unknown, missing or mistyped key is a
-:class:`ConfigError` naming the file and the key. ``to_dict()`` is the resolved config (defaults
+Loaded from YAML with every key checked: an unknown or mistyped key, or a missing
+``snapshot_dir``, is a :class:`ConfigError` naming the file and the key; a key left out takes the
+default set below, and nowhere else (the Dagster run config is generated from these fields,
+:func:`field_docs` giving each one's description). ``to_dict()`` is the resolved config (defaults
 filled in, ``snapshot_dir`` absolute) that the ledger stores as the attempt's config snapshot and
 every checkpoint carries; ``sha256()`` is its digest.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
+import textwrap
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Self
@@ -38,8 +43,11 @@ class ModelConfig:
     """The ``model`` section, as :func:`pipeline.trainer.model.build_model` reads it."""
 
     channels: int = 16
+    """Channels of the first convolution (the second has twice as many)."""
     hidden: int = 64
+    """Width of the hidden fully connected layer."""
     dropout: float = 0.0
+    """Dropout before the last layer, in [0, 1)."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +55,14 @@ class LRScheduleConfig:
     """``constant``; ``cosine`` from learning_rate to ``min_lr`` over max_steps; or ``step``."""
 
     kind: str = "constant"
+    """One of constant, cosine, step."""
     min_lr: float = 0.0
+    """cosine: the learning rate reached at max_steps (0..learning_rate)."""
     step_size: int = 100
+    """step: steps between two decays."""
     gamma: float = 0.5
+    """step: the factor each decay multiplies the learning rate by, in (0, 1]."""
 
-
-_REQUIRED = object()
 
 # Settings that change how a run is operated, never what it computes (resume is bit-exact
 # whatever they are): left out of the config digest.
@@ -72,31 +82,61 @@ OPERATIONAL_KEYS = frozenset(
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One run's training config; build with :meth:`load` (YAML) or :meth:`from_dict`."""
+    """One run's training config; build with :meth:`load` (YAML) or :meth:`from_dict`.
 
-    seed: int
-    max_steps: int
-    checkpoint_every_steps: int
-    batch_size: int
-    learning_rate: float
-    optimizer: str
-    model: ModelConfig
+    The one schema of training: the trainer's YAML, the Dagster run config's ``train`` section
+    (generated from these fields, their docstrings its descriptions) and the ledger's config
+    snapshot. Every field but ``snapshot_dir`` has its default here and nowhere else.
+    """
+
     snapshot_dir: str
+    """The data snapshot's folder; in Dagster the partition decides it."""
+    seed: int = 0
+    """Seeds Python, numpy and torch, and the data order: the same seed trains the same model."""
+    # 300 steps reach ~97% held-out accuracy on the digits, well past the promotion gate.
+    max_steps: int = 300
+    """Optimizer steps of the whole run (a resumed attempt goes on to the same step)."""
+    checkpoint_every_steps: int = 100
+    """Steps between two periodic checkpoints; the last step is always checkpointed."""
+    batch_size: int = 64
+    """Examples per optimizer step, over all ranks (divisible by their number)."""
+    learning_rate: float = 0.003
+    """The optimizer's (initial) learning rate, > 0."""
+    optimizer: str = "adam"
+    """adam or sgd."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model's shape."""
     weight_decay: float = 0.0
-    momentum: float = 0.9  # sgd only
+    """Weight decay, >= 0."""
+    momentum: float = 0.9
+    """sgd only: momentum, in [0, 1)."""
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """How the learning rate changes over the run."""
     keep_last_k: int = 3
+    """Newest committed checkpoints kept; older ones are deleted (the best ones excepted)."""
     keep_best_k: int = 1
+    """Committed checkpoints kept for being the best by best_metric; 0 keeps none for that."""
     best_metric: str = "eval_loss"
+    """The evaluation metric (eval_loss, eval_accuracy) that ranks checkpoints for
+    keep_best_k."""
     best_mode: str = "min"
+    """min or max: whether a lower or a higher best_metric is better."""
     model_family: str = "digits-cnn"
+    """The model family the run trains, part of its run id; a continued run keeps it."""
     max_wall_seconds: float | None = None
+    """Stop with a final checkpoint after this many seconds (the attempt ends timed out);
+    null: no limit."""
     log_every_steps: int = 10
+    """Steps between two logged (and MLflow) training metrics."""
     probe_size: int = 16
+    """Held-out examples whose outputs each checkpoint records, to prove a restore exact."""
     device: str = "cpu"
+    """cpu or cuda. Left out of a new run's Dagster run config, it follows the trainer's
+    placement: cuda when the run is given GPUs."""
     # Periodic checkpoints are written by a background thread after a synchronous staging
     # copy; the final and the preemption checkpoint are always synchronous.
     async_save: bool = True
+    """Write periodic checkpoints in the background; the final one is always synchronous."""
 
     @classmethod
     def load(cls, path: str | Path) -> Self:
@@ -118,10 +158,9 @@ class TrainConfig:
         if not isinstance(raw, dict):
             raise ConfigError(source, None, f"must be a mapping, got {type(raw).__name__}")
         values = _check_section(raw, cls, source, prefix="", skip={"model", "lr_schedule"})
-        model_raw = raw.get("model", _REQUIRED)
-        if model_raw is _REQUIRED:
-            raise ConfigError(source, "model", "is required")
-        values["model"] = ModelConfig(**_check_section(model_raw, ModelConfig, source, "model."))
+        values["model"] = ModelConfig(
+            **_check_section(raw.get("model", {}), ModelConfig, source, "model.")
+        )
         schedule_raw = raw.get("lr_schedule", {})
         values["lr_schedule"] = LRScheduleConfig(
             **_check_section(schedule_raw, LRScheduleConfig, source, "lr_schedule.")
@@ -267,3 +306,24 @@ def _coerce(value: Any, annotation: Any, source: str, key: str) -> Any:
             raise ConfigError(source, key, f"must be a non-empty string, got {value!r}")
         return value
     raise AssertionError(f"unhandled config type {kind} for {key}")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal right under it in ``cls``'s body) on one
+    line, by field name.
+
+    Read from the source, as Sphinx and pydantic read attribute docstrings: Python keeps none.
+    """
+    [node] = ast.parse(textwrap.dedent(inspect.getsource(cls))).body
+    assert isinstance(node, ast.ClassDef)
+    docs: dict[str, str] = {}
+    for statement, after in zip(node.body, node.body[1:], strict=False):
+        if (
+            isinstance(statement, ast.AnnAssign)
+            and isinstance(statement.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[statement.target.id] = " ".join(after.value.value.split())
+    return docs
