@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from pipeline.retry import RetryPolicy, decide, policy_for_run, record_decision
 from pipeline.settings import TracksSettings
 from pipeline.states import RunStatus, TerminationReason
 from resources import LedgerResource, StorageResource
+from sensors import snapshots
 from sensors.resume import resume_after_preemption
 from sensors.schedules import newest_checked_snapshot, nightly_retrain
 from sensors.snapshots import new_snapshot
@@ -70,7 +72,13 @@ def test_new_snapshot_registers_partition_and_requests_one_run(settings: TracksS
         assert isinstance(again, dg.SkipReason)
 
 
-def test_new_snapshot_waits_for_landing_files_to_settle(settings: TracksSettings) -> None:
+def test_new_snapshot_waits_for_landing_files_to_settle(
+    settings: TracksSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A window no loaded machine outlasts between writing the file and the tick (2 s did).
+    monkeypatch.setattr(
+        snapshots, "AUTOMATION", replace(snapshots.AUTOMATION, landing_settle_seconds=600.0)
+    )
     write_digits_landing(settings.landing_root)  # mtime is now
     with dg.instance_for_test() as instance:
         result = new_snapshot(
