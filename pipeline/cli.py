@@ -309,7 +309,8 @@ def canary(max_steps: int, max_minutes: float) -> None:
     help="Also write the page here (its folder must exist).",
 )
 def explain_cmd(target: str, output: Path | None) -> None:
-    """The one-page story of a run (RUN_ID) or an attempt (RUN_ID#N), as Markdown."""
+    """The one-page story of a run (RUN_ID) or an attempt (RUN_ID#N): Markdown, laid out on a
+    terminal."""
     from pipeline.explain import explain
     from pipeline.ledger import LedgerError
 
@@ -323,14 +324,30 @@ def explain_cmd(target: str, output: Path | None) -> None:
         raise click.ClickException(_one_line(exc)) from None
     if output is not None:
         output.write_text(page)
-    click.echo(page, nl=False)
+    _echo_page(page)
+
+
+def _echo_page(page: str) -> None:
+    """A Markdown page: rendered (headings, tables, emphasis) on a terminal, as written else.
+
+    A pipe or a file gets the Markdown itself, for a ticket, a wiki or ``--output``; a person at
+    a terminal reads it laid out by rich's renderer rather than as ``| --- |`` and ``**``.
+    """
+    if not sys.stdout.isatty():
+        click.echo(page, nl=False)
+        return
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    Console().print(Markdown(page))
 
 
 @main.command("diff")
 @click.argument("left", type=RUN_ID)
 @click.argument("right", type=RUN_ID)
 def diff_cmd(left: str, right: str) -> None:
-    """Two runs side by side: config key by key, data, placement, evaluations (Markdown)."""
+    """Two runs side by side: config key by key, data, placement, evaluations (Markdown, laid
+    out on a terminal)."""
     from pipeline.diff import diff_runs
     from pipeline.ledger import LedgerError
 
@@ -338,7 +355,7 @@ def diff_cmd(left: str, right: str) -> None:
         page = diff_runs(_ledger(_settings()), left, right)
     except LedgerError as exc:
         raise click.ClickException(_one_line(exc)) from None
-    click.echo(page, nl=False)
+    _echo_page(page)
 
 
 def _reason_choices() -> list[str]:

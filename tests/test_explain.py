@@ -432,3 +432,39 @@ def test_an_attempt_that_never_reported_a_restore_does_not_claim_a_fresh_start(
     page = explain(ledger, f"{DRIFT_RUN}#1")  # stopped by its data checks before the first step
     assert "started fresh" not in page
     assert "ended before it restored a checkpoint or reported a fresh start" in page
+
+
+def test_on_a_terminal_explain_lays_the_markdown_out(
+    tmp_path: Path, tracks_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A person at a terminal reads headings and tables, not ``## `` and ``| --- |``."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger.open(url)
+    build_scenario(ledger)
+    leader, follower = pty.openpty()
+    env = {**os.environ, "TRACKS_LEDGER_URL": url, "COLUMNS": "160", "TERM": "xterm"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "explain", f"{RUN}#2"],
+        stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=env,
+    )  # fmt: skip
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the follower side closed: the process is done writing
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert process.wait(timeout=60) == 0
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+    page = explain(ledger, f"{RUN}#2")
+    assert "## Attempts and retries" in page and "|---" in page.replace(":", "")
+    assert "Attempts and retries" in shown
+    assert "## " not in shown and "|---" not in shown.replace(":", "")
