@@ -36,7 +36,7 @@ from pipeline.distributed.launch import RankOutcome, decide_exit, end_deferred_a
 from pipeline.ledger import AttemptStart, Ledger
 from pipeline.trainer import exit_codes
 from tests.checkpoint_support import resign
-from tests.distributed_support import drill_config
+from tests.distributed_support import drill_config, launch_ranks, trainer_rank_pids
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 160
@@ -63,15 +63,11 @@ def _launch(
     env: dict[str, str] | None = None,
     log: Path | None = None,
 ) -> subprocess.Popen:
-    trainer = ["--config", str(config), "--run-id", run_id, "--store", str(store)]
-    if nproc == 1:
-        command = [sys.executable, "-m", "pipeline.trainer", *trainer]
-    else:
-        logs = store / "launch-logs" / f"{run_id}-{time.monotonic_ns()}"
-        command = [
-            sys.executable, "-m", "pipeline.distributed.launch",
-            "--nproc-per-node", str(nproc), "--log-dir", str(logs), "--", *trainer,
-        ]  # fmt: skip
+    if nproc > 1:
+        return launch_ranks(config, store, run_id, nproc=nproc, env=env, log=log).process
+    # One rank: the trainer itself, without the launcher (the reshard tests' 2 -> 1 and 1 -> 2).
+    command = [sys.executable, "-m", "pipeline.trainer", "--config", str(config),
+               "--run-id", run_id, "--store", str(store)]  # fmt: skip
     log = log or store / f"{run_id}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as out:  # the child keeps its own copy of the descriptor
@@ -124,39 +120,6 @@ def _wait_for_count(path: Path, text: str, count: int, timeout: float = 60) -> N
     raise AssertionError(f"{text!r} did not appear {count} times in {path}")
 
 
-def _descends_from(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: ppid
-    return False
-
-
-def _rank_pids(launcher_pid: int) -> dict[int, int]:
-    """The trainer ranks under a launcher, by RANK (read from each process's environment)."""
-    ranks: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if not _descends_from(int(entry.name), launcher_pid):
-                continue
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if b"pipeline.trainer" not in cmdline:
-                continue
-            environ = dict(
-                item.split(b"=", 1)
-                for item in (entry / "environ").read_bytes().split(b"\0")
-                if b"=" in item
-            )
-        except (OSError, ProcessLookupError):
-            continue
-        if b"RANK" in environ:
-            ranks[int(environ[b"RANK"])] = int(entry.name)
-    return ranks
-
-
 @pytest.fixture(scope="module")
 def reshard_config(workdir: Path, config: Path) -> Path:
     # Checkpoints only where the test stops the run: resharding is what is tested here.
@@ -200,7 +163,7 @@ def test_kill_one_rank_at_random_moments_then_sigterm_all(
         process = _launch(config, store, run_id, env=env, log=log)
         _wait_for_count(log, '"attempt_started"', started + 1)
         time.sleep(rng.uniform(0.0, 0.25))
-        ranks = _rank_pids(process.pid)
+        ranks = trainer_rank_pids(process.pid)
         victim = rng.choice(sorted(ranks)) if ranks else None
         if victim is not None:
             try:
@@ -386,7 +349,7 @@ def test_an_orchestrated_attempt_whose_rank_1_is_killed_names_it_on_the_receipt(
             assert process.poll() is None and time.monotonic() < deadline, "no commit at step 10"
             time.sleep(0.1)
         time.sleep(0.3)  # both ranks wait in the pause after step 12
-        os.kill(_rank_pids(process.pid)[1], signal.SIGKILL)
+        os.kill(trainer_rank_pids(process.pid)[1], signal.SIGKILL)
         killed = time.monotonic()
         # torchrun's agent now SIGTERMs rank 0, whose final save needs its dead peer: it gives
         # up within the checkpoint group's 20 s timeout, well inside a 30 s grace period.
@@ -438,7 +401,7 @@ def test_a_self_owned_attempt_whose_rank_1_is_killed_is_closed_by_the_launcher(
             assert process.poll() is None and time.monotonic() < deadline, "no commit at step 10"
             time.sleep(0.1)
         time.sleep(0.3)  # both ranks wait in the pause after step 12
-        os.kill(_rank_pids(process.pid)[1], signal.SIGKILL)
+        os.kill(trainer_rank_pids(process.pid)[1], signal.SIGKILL)
         returncode = process.wait(timeout=60)
     finally:
         if process.poll() is None:
