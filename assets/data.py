@@ -1,12 +1,13 @@
 """``data_snapshot`` and its checks: the immutable, content-addressed input of every run."""
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 
 from assets.partitions import snapshot_partitions
+from assets.tables import table
 from resources import LedgerResource, StorageResource
 
 SCHEMA_CONTRACT = "schema_contract"
@@ -33,6 +34,18 @@ def _check_result(
             **extra,
         },
     )
+
+
+def files_table(files: Sequence[Mapping[str, Any]]) -> dg.TableMetadataValue:
+    """One row per file of a snapshot's manifest: its name, size, rows and digest."""
+    columns = [
+        dg.TableColumn("name", "string", "file name inside the snapshot's data folder"),
+        dg.TableColumn("bytes", "int"),
+        dg.TableColumn("rows", "int"),
+        dg.TableColumn("sha256", "string", "SHA-256 of the file's bytes"),
+    ]
+    rows = [{c.name: f[c.name] for c in columns} for f in files]
+    return table("files", columns, rows)
 
 
 def _baseline(storage: StorageResource, current_id: str, ledger: Any) -> Any:
@@ -100,15 +113,7 @@ def data_snapshot(
             "manifest_sha256": snapshot.manifest_sha256,
             "content_sha256": content_sha256(snapshot),
             "dagster/row_count": snapshot.row_count,
-            "files": dg.MetadataValue.md(
-                "\n".join(
-                    ["| file | bytes | rows | sha256 |", "|---|---:|---:|---|"]
-                    + [
-                        f"| {f['name']} | {f['bytes']} | {f['rows']} | `{f['sha256'][:16]}` |"
-                        for f in manifest["files"]
-                    ]
-                )
-            ),
+            "files": files_table(manifest["files"]),
             "dagster/column_schema": dg.TableSchema(
                 columns=[dg.TableColumn(c["name"], c["dtype"]) for c in manifest["columns"]]
             ),

@@ -3,6 +3,7 @@
 Separate from training so an evaluator crash retries the evaluator, never the training.
 """
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,8 @@ import dagster as dg
 from assets.failures import step_failure
 from assets.lineage import upstream_metadata
 from assets.partitions import snapshot_partitions
-from pipeline.plots import confusion_matrix_markdown, table_markdown
+from assets.tables import metric_cells, metric_columns, table
+from pipeline.plots import confusion_matrix_markdown
 from resources import LedgerResource, MlflowResource, StorageResource, core_settings
 
 
@@ -84,23 +86,17 @@ def evaluation(
             context.log.info(f"{name} already evaluated this checkpoint: {record.evaluation_id}")
         records.append(record)
 
-    table = ["| evaluator | evaluation | metrics | MLflow run |", "|---|---|---|---|"]
-    for r in records:
-        metrics = ", ".join(f"{k}={v:.4f}" for k, v in sorted((r.metrics or {}).items()))
-        table.append(
-            f"| {r.evaluator_name} | `{r.evaluation_id}` | {metrics} | `{r.mlflow_run_id}` |"
-        )
     metadata: dict[str, object] = {
         "run_id": checkpoint["run_id"],
         "checkpoint_manifest_sha256": checkpoint["manifest_sha256"],
         "evaluation_ids": dg.MetadataValue.json([r.evaluation_id for r in records]),
-        "results": dg.MetadataValue.md("\n".join(table)),
+        "results": results_table(records),
     }
     for r in records:
         for key, value in (r.metrics or {}).items():
             metadata[f"{r.evaluator_name}/{key}"] = float(value)
         if r.slice_metrics:
-            metadata[f"{r.evaluator_name}/slices"] = dg.MetadataValue.md(_slices_markdown(r))
+            metadata[f"{r.evaluator_name}/slices"] = slices_table(r)
         matrix = _confusion_matrix(r)
         if matrix is not None:
             labels = list(range(len(matrix)))
@@ -110,14 +106,48 @@ def evaluation(
     return dg.MaterializeResult(metadata=metadata)
 
 
-def _slices_markdown(record: Any) -> str:
-    """One row per slice (a class, a noise level), one column per metric."""
+def results_table(records: Sequence[Any]) -> dg.TableMetadataValue:
+    """One row per evaluator (``EvaluationRecord``s): its evaluation, MLflow run and metrics.
+
+    Evaluators report different metrics: each metric is a column, empty for the others.
+    """
+    metrics = metric_columns(
+        (r.metrics for r in records), "as the evaluator reported it; empty: not reported"
+    )
+    columns = [
+        dg.TableColumn("evaluator", "string"),
+        dg.TableColumn("evaluator_version", "string"),
+        dg.TableColumn("evaluation_id", "string", "the ledger's evaluation row"),
+        dg.TableColumn("mlflow_run_id", "string", "the MLflow run with its metrics and outputs"),
+        *metrics,
+    ]
+    rows = [
+        {
+            "evaluator": r.evaluator_name,
+            "evaluator_version": r.evaluator_version,
+            "evaluation_id": r.evaluation_id,
+            "mlflow_run_id": r.mlflow_run_id,
+            **metric_cells(r.metrics, metrics),
+        }
+        for r in records
+    ]
+    return table("results", columns, rows)
+
+
+def slices_table(record: Any) -> dg.TableMetadataValue:
+    """One row per slice of one evaluation (a class, a noise level), one column per metric."""
     slices = record.slice_metrics or {}
-    metrics = sorted({m for values in slices.values() for m in values})
-    return table_markdown(
-        ["slice", *metrics], [[name, *[values.get(m, "—") for m in metrics]]
-                              for name, values in sorted(slices.items())]
-    )  # fmt: skip
+    metrics = metric_columns(slices.values(), "on the examples of this slice")
+    columns = [
+        dg.TableColumn(
+            "slice",
+            "string",
+            "class=K: examples labelled K; noise=S: Gaussian pixel noise of std S",
+        ),
+        *metrics,
+    ]
+    rows = [{"slice": name, **metric_cells(v, metrics)} for name, v in sorted(slices.items())]
+    return table(f"{record.evaluator_name}/slices", columns, rows)
 
 
 def _confusion_matrix(record: Any) -> list[list[int]] | None:

@@ -8,6 +8,7 @@ import dagster as dg
 from assets.failures import step_failure
 from assets.lineage import upstream_metadata
 from assets.partitions import snapshot_partitions
+from assets.tables import table
 from resources import LedgerResource, MlflowResource, StorageResource, core_settings
 
 
@@ -81,53 +82,122 @@ def promotion_metadata(decision: Any) -> dict[str, Any]:
         "headline_comparison": dg.MetadataValue.json(
             (decision.gate or {}).get("headline_comparison") or {}
         ),
-        "decision_against_champion": dg.MetadataValue.md(_gate_markdown(decision)),
+        "decision_against_champion": dg.MetadataValue.md(_decision_markdown(decision)),
+        "gate_rules": gate_rules_table(decision),
     }
 
 
-def _gate_markdown(decision: Any) -> str:
-    """The gate's rules as a table: each threshold, the headline and each slice against the
-    champion."""
-    from pipeline.plots import table_markdown
+def _decision_markdown(decision: Any) -> str:
+    """The decision in sentences: what was decided against whom and why, then the headline
+    comparison with every number. Each rule is a row of ``gate_rules``."""
     from pipeline.promotion.comparison import headline_sentence
 
     gate = decision.gate or {}
-    rows = [
-        [c["metric"], "—" if c.get("value") is None else c["value"], f">= {c['threshold']}",
-         "passed" if c.get("passed") else "**failed**"]
-        for c in gate.get("thresholds", [])
-    ]  # fmt: skip
-    if headline := gate.get("headline_comparison"):
-        rows.append(_headline_row(headline))
-    for s in gate.get("slice_comparisons", []):
-        rows.append(
-            [f"{s['evaluator']} slice {s['slice']}", s["candidate"],
-             f"champion {s['champion']} (no bigger drop)",
-             "**regressed**" if s.get("regressed") else "passed"]
-        )  # fmt: skip
+    champion = gate.get("champion_version")
     against = (
-        f"against champion version {gate['champion_version']}"
-        if gate.get("champion_version")
+        f"against champion version {champion}"
+        if champion
         else "no champion yet to compare slices against"
     )
-    verdict = f"**{decision.decision}** ({against}) — {decision.reason}"
-    table = table_markdown(["rule", "this checkpoint", "needs", "result"], rows)
-    if headline:
-        champion = gate.get("champion_version")
+    text = f"**{decision.decision}** ({against}) — {decision.reason}"
+    if headline := gate.get("headline_comparison"):
         who = f"champion version {champion}" if champion else "the champion"
-        table += "\n\nHeadline: " + headline_sentence(headline, who) + "."
-    return verdict + "\n\n" + table
+        text += "\n\nHeadline: " + headline_sentence(headline, who) + "."
+    return text + "\n\nEach rule of the gate, with its numbers: `gate_rules`."
 
 
-def _headline_row(headline: dict[str, Any]) -> list[Any]:
+_GATE_COLUMNS = [
+    dg.TableColumn("rule", "string", "a threshold, the paired headline comparison or a slice"),
+    dg.TableColumn("this_checkpoint", "float", "the candidate's value; empty: none"),
+    dg.TableColumn(
+        "reference", "float", "the threshold, or the champion's value; empty: not compared"
+    ),
+    dg.TableColumn(
+        "difference", "float", "this_checkpoint - reference (headline: the paired difference)"
+    ),
+    dg.TableColumn("needs", "string", "what the rule requires"),
+    dg.TableColumn("passed", "bool", "empty: not compared"),
+    dg.TableColumn("interval_low", "float", "headline: the paired interval's lower bound"),
+    dg.TableColumn("interval_high", "float", "headline: the paired interval's upper bound"),
+    dg.TableColumn("n", "int", "headline: paired examples compared"),
+    dg.TableColumn("result", "string", "passed, failed, regressed or not compared"),
+]
+
+
+_NO_INTERVAL = {"interval_low": None, "interval_high": None, "n": None}
+
+
+def gate_rules_table(decision: Any) -> dg.TableMetadataValue:
+    """The gate's rules, one row each: every threshold, the headline against the champion
+    and every slice against the champion."""
+    gate = decision.gate or {}
+    rows = [_threshold_row(c) for c in gate.get("thresholds", [])]
+    if headline := gate.get("headline_comparison"):
+        rows.append(_headline_row(headline))
+    limit = (gate.get("gate") or {}).get("max_slice_regression")
+    rows += [_slice_row(s, limit) for s in gate.get("slice_comparisons", [])]
+    return table("gate_rules", _GATE_COLUMNS, rows)
+
+
+def _threshold_row(check: dict[str, Any]) -> dict[str, Any]:
+    value, threshold = check.get("value"), float(check["threshold"])
+    return {
+        "rule": check["metric"],
+        "this_checkpoint": None if value is None else float(value),
+        "reference": threshold,
+        "difference": None if value is None else float(value) - threshold,
+        "needs": f">= {check['threshold']}",
+        "passed": bool(check.get("passed")),
+        **_NO_INTERVAL,
+        "result": "passed" if check.get("passed") else "failed",
+    }
+
+
+def _slice_row(comparison: dict[str, Any], limit: float | None) -> dict[str, Any]:
+    candidate, champion = float(comparison["candidate"]), float(comparison["champion"])
+    regressed = bool(comparison.get("regressed"))
+    return {
+        "rule": f"{comparison['evaluator']} slice {comparison['slice']}",
+        "this_checkpoint": candidate,
+        "reference": champion,
+        "difference": candidate - champion,
+        "needs": "no bigger drop from the champion than the gate allows"
+        if limit is None
+        else f"a drop of at most {limit:g} from the champion",
+        "passed": not regressed,
+        **_NO_INTERVAL,
+        "result": "regressed" if regressed else "passed",
+    }
+
+
+def _headline_row(headline: dict[str, Any]) -> dict[str, Any]:
+    rule = f"{headline.get('metric')} against the champion, paired"
     if not headline.get("compared"):
-        return [f"{headline.get('metric')} against the champion", "—", "a paired comparison",
-                "**not compared**"]  # fmt: skip
+        return {
+            "rule": rule,
+            "this_checkpoint": None,
+            "reference": None,
+            "difference": None,
+            "needs": "a paired comparison",
+            "passed": None,
+            **_NO_INTERVAL,
+            "result": "not compared",
+        }
     low, high = headline["interval"]
-    return [
-        f"{headline['metric']} against the champion ({headline['champion']:.4f}), paired",
-        f"{headline['candidate']:.4f} (difference {headline['difference']:+.4f}, "
-        f"{headline['confidence']:.0%} interval [{low:+.4f}, {high:+.4f}], n={headline['n']})",
-        f"lower bound >= -{headline['margin']:g}",
-        "passed" if headline["passed"] else "**failed**",
-    ]
+    return {
+        "rule": rule,
+        "this_checkpoint": float(headline["candidate"]),
+        "reference": float(headline["champion"]),
+        "difference": float(headline["difference"]),
+        # What pipeline/promotion/comparison.py decides on: within the margin, and not
+        # significantly worse (the interval does not lie wholly below 0).
+        "needs": (
+            f"difference >= -{headline['margin']:g} and the {headline['confidence']:.0%} "
+            "interval's upper bound >= 0"
+        ),
+        "passed": bool(headline["passed"]),
+        "interval_low": float(low),
+        "interval_high": float(high),
+        "n": int(headline["n"]),
+        "result": "passed" if headline["passed"] else "failed",
+    }

@@ -12,6 +12,7 @@ from assets.failures import step_failure
 from assets.launch import CONTINUATION_TAG, launched_by, trainer_config_source
 from assets.lineage import upstream_metadata
 from assets.partitions import snapshot_partitions
+from assets.tables import checkpoint_lineage_table
 from assets.training_config import (
     SOURCE,
     TRAINING_ATTEMPT_CONFIG,
@@ -136,7 +137,7 @@ def training_attempt(
     from pipeline.explain import explain
     from pipeline.launch_facts import contradicted_tags
     from pipeline.ledger import LedgerError
-    from pipeline.plots import loss_curve_markdown, table_markdown
+    from pipeline.plots import loss_curve_markdown
     from pipeline.reasons import launcher_failed
     from pipeline.retry import RetryPolicyError, load_retry_policy
     from pipeline.tracking import mirror_attempt
@@ -333,18 +334,7 @@ def training_attempt(
                 title=f"{run.run_id} attempt {attempt.attempt_no}",
             )
         )
-        metadata["checkpoint_lineage"] = dg.MetadataValue.md(
-            table_markdown(
-                ["step", "attempt", "state", "manifest", "parent"],
-                [
-                    [
-                        c.step, c.attempt_no, c.state, (c.manifest_sha256 or "—")[:16],
-                        Path(c.parent_path).name if c.parent_path else "—",
-                    ]
-                    for c in book.checkpoints(run.run_id)
-                ],
-            )
-        )  # fmt: skip
+        metadata["checkpoint_lineage"] = checkpoint_lineage_table(book.checkpoints(run.run_id))
     return dg.MaterializeResult(metadata=metadata)
 
 

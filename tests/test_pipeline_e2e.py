@@ -64,17 +64,23 @@ def test_whole_path_promotes_a_champion_whose_tags_lead_back(deployment: str) ->
             if e.event_type_value == "ASSET_CHECK_EVALUATION"
         }
         assert checks["schema_contract"] and checks["data_quality"]
-        # Pictures, not JSON: what a person sees on each materialization in the UI.
-        pictures = {
-            "training_attempt": ["loss_curve", "checkpoint_lineage"],
-            "evaluation": ["holdout_accuracy/confusion_matrix", "holdout_accuracy/slices"],
-            "promoted_model": ["decision_against_champion"],
+        # Pictures and tables, not JSON: what a person sees on each materialization in the UI.
+        shown = {
+            "training_attempt": (["loss_curve"], ["checkpoint_lineage"]),
+            "evaluation": (
+                ["holdout_accuracy/confusion_matrix"],
+                ["results", "holdout_accuracy/slices"],
+            ),
+            "promoted_model": (["decision_against_champion"], ["gate_rules"]),
         }
-        for node, keys in pictures.items():
+        for node, (pictures, tables) in shown.items():
             [materialization] = result.asset_materializations_for_node(node)
-            for key in keys:
+            for key in pictures:
                 value = materialization.metadata[key]
                 assert isinstance(value, dg.MarkdownMetadataValue), (node, key, value)
+            for key in tables:
+                value = materialization.metadata[key]
+                assert isinstance(value, dg.TableMetadataValue) and value.records, (node, key)
         loss_curve = result.asset_materializations_for_node("training_attempt")[0].metadata
         assert "data:image/png;base64," in loss_curve["loss_curve"].value
 

@@ -209,9 +209,13 @@ def test_an_equal_or_better_candidate_is_promoted_with_the_comparison_recorded(
 
     metadata = promotion_metadata(record)
     assert metadata["headline_comparison"].data == headline
-    table = metadata["decision_against_champion"].value
-    assert "holdout_accuracy.accuracy against the champion (0.9721), paired" in table
-    assert sentence in table
+    [paired] = [
+        r.data
+        for r in metadata["gate_rules"].records
+        if r.data["rule"] == "holdout_accuracy.accuracy against the champion, paired"
+    ]
+    assert f"{paired['reference']:.4f}" == "0.9721" and paired["result"] == "passed"
+    assert sentence in metadata["decision_against_champion"].value
 
 
 def test_a_champion_evaluated_on_other_examples_is_re_evaluated_on_the_candidates(

@@ -3,7 +3,8 @@
 What a person does: open the asset graph, add a `data_snapshot` partition, materialize the
 graph, watch the run finish, open the `training_attempt` materialization to read the explain
 page and see the loss curve, then land drifted data and read the failed `schema_contract`
-check's column and rule. A screenshot of each step is saved (`make screenshots` keeps them).
+check's column and rule, and the evaluation's tables. A screenshot of each step is saved once
+the page has settled (`make screenshots` keeps them).
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ pytestmark = pytest.mark.slow
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = os.environ.get("TRACKS_SCREENSHOTS")
 DIAGNOSTICS = Path(os.environ.get("TRACKS_UI_DIAGNOSTICS", "/tmp"))
+# Settled: no finite CSS animation or transition running (a dialog fading in shows two pages
+# through each other), fonts loaded and images decoded, for 3 frames in a row, so one about to
+# start is seen. Spinners loop forever: they never settle, and are no half-drawn page.
+SETTLED = """() => {
+  const still = document.fonts.status === "loaded"
+    && [...document.images].every(image => image.complete)
+    && document.getAnimations().every(animation => animation.playState !== "running"
+      || animation.effect?.getComputedTiming().iterations === Infinity);
+  window.__tracksSettledFrames = still ? (window.__tracksSettledFrames || 0) + 1 : 0;
+  return window.__tracksSettledFrames >= 3;
+}"""
 
 
 @pytest.fixture
@@ -80,6 +92,14 @@ def _pick_partition(page, snapshot_id: str) -> None:
     dialog.get_by_text("Launch runs to materialize").click()  # closes the picker
 
 
+def _screenshot(page, path: Path, *, full_page: bool = False) -> None:
+    """``path`` once the page has settled: loaded to network idle, and nothing moving."""
+    page.wait_for_load_state("networkidle")
+    page.evaluate("window.__tracksSettledFrames = 0")
+    page.wait_for_function(SETTLED, timeout=30_000)  # polled every animation frame
+    page.screenshot(path=path, full_page=full_page, animations="disabled")
+
+
 def _show_markdown(page, key: str) -> None:
     row = page.locator("tr").filter(has=page.get_by_text(key, exact=True))
     row.get_by_text("[Show Markdown]").first.click()
@@ -116,11 +136,11 @@ def test_the_ui_path_in_a_real_browser(browser_page, tracks_home: Path, tmp_path
         server.wait_until_loaded()
         # 1. The asset graph, 2. a new partition and the whole graph materialized.
         _materialize_all(page, server.url, good)
-        page.screenshot(path=shots / "1-launch.png")
+        _screenshot(page, shots / "1-launch.png")
         assert _wait_for_run(server, good) == "SUCCESS", server.log_tail()
         page.goto(f"{server.url}/runs", wait_until="networkidle")
         page.get_by_text("Success").first.wait_for()
-        page.screenshot(path=shots / "2-run-finished.png")
+        _screenshot(page, shots / "2-run-finished.png")
 
         # 3. The training_attempt materialization: the explain page and the loss curve.
         page.goto(f"{server.url}/assets/training_attempt", wait_until="networkidle")
@@ -128,17 +148,17 @@ def test_the_ui_path_in_a_real_browser(browser_page, tracks_home: Path, tmp_path
         page.get_by_text("loss_curve", exact=True).first.wait_for()
         body = page.inner_text("body")
         assert "checkpoint_lineage" in body and "termination_reason" in body
-        page.screenshot(path=shots / "3-training-attempt.png", full_page=True)
+        _screenshot(page, shots / "3-training-attempt.png", full_page=True)
         # Markdown values open in a dialog: the explain page, then the loss curve.
         _show_markdown(page, "explain")
         page.get_by_role("dialog").get_by_text("Attempts and retries").first.wait_for()
-        page.screenshot(path=shots / "4-explain.png")
+        _screenshot(page, shots / "4-explain.png")
         page.keyboard.press("Escape")
         _show_markdown(page, "loss_curve")
         image = page.get_by_role("dialog").locator('img[src^="data:image/png"]').first
         image.wait_for()
         assert image.bounding_box()["width"] > 100
-        page.screenshot(path=shots / "5-loss-curve.png")
+        _screenshot(page, shots / "5-loss-curve.png")
         page.keyboard.press("Escape")
 
         # 4. Drifted data: the schema_contract check fails, naming the column and the rule.
@@ -155,6 +175,13 @@ def test_the_ui_path_in_a_real_browser(browser_page, tracks_home: Path, tmp_path
         page.get_by_text("Latest execution").first.wait_for()
         text = page.inner_text("body")
         assert "column 'label': rule 'in_range(0, 9)' failed" in text, text[:3000]
-        page.screenshot(path=shots / "6-schema-contract-failed.png", full_page=True)
+        _screenshot(page, shots / "6-schema-contract-failed.png", full_page=True)
+
+        # 5. The evaluation's results and slices: tables, one row per evaluator and per slice.
+        page.goto(f"{server.url}/assets/evaluation", wait_until="networkidle")
+        results = page.locator("table").filter(has_text="evaluation_id").first
+        results.get_by_text("noise_robustness", exact=True).wait_for()
+        page.get_by_text("class=9", exact=True).first.wait_for()
+        _screenshot(page, shots / "7-evaluation-tables.png", full_page=True)
     finally:
         server.stop()
