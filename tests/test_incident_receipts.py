@@ -41,7 +41,7 @@ pytestmark = pytest.mark.slow
 PAUSE_STEP, COMMIT_EVERY = 150, 100
 HOOKS = {"TRACKS_FAULT_SLEEP_AFTER_STEP": f"6@{PAUSE_STEP}"}
 TRAINING = {
-    "max_steps": 300, "checkpoint_every_steps": COMMIT_EVERY, "keep_last_k": 5,
+    "max_steps": 200, "checkpoint_every_steps": COMMIT_EVERY, "keep_last_k": 5,
     "model": {"channels": 8, "hidden": 32},
 }  # fmt: skip
 TWO_RANKS = {"trainer": {"config": {"backend": "torchrun", "nproc_per_node": 2}}}
