@@ -41,7 +41,7 @@ from tests.distributed_support import drill_config, launch_ranks, trainer_rank_p
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 160
 INTERVAL = 2
-KILLS = 20
+KILLS = 12
 
 
 @pytest.fixture(scope="module")
