@@ -6,10 +6,9 @@ import os
 import tempfile
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline import ids, safepath
 from pipeline.data._fs import fsync_dir, fsync_file
@@ -22,6 +21,9 @@ from pipeline.data.columns import (
     SPLIT_EVAL,
     SPLIT_TRAIN,
 )
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 DEFAULT_FILE_NAME = "digits.parquet"
 EVAL_FRACTION = 0.2
@@ -50,7 +52,9 @@ def write_digits_landing(
     the same bytes, so landing the same data twice keeps the same snapshot id. The file
     appears atomically: a reader sees the old file or the new one, never half of one.
     """
-    # Imported here: scikit-learn is only needed to produce landing data, not to read it.
+    # Imported here: scikit-learn and pyarrow are only needed to produce landing data; a
+    # trainer lists a snapshot's files through this module and never writes any.
+    import pyarrow as pa
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -73,7 +77,7 @@ def write_digits_landing(
     # Not resolved: a symlinked landing folder is refused, never written through.
     path = safepath.under(_landing_folder(landing_dir), name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(pa.table(columns), path)
+    write_table_atomically(pa.table(columns), path)
     return path
 
 
@@ -119,6 +123,8 @@ def _stratified_split(labels: np.ndarray, rng: np.random.Generator) -> list[str]
 def _apply_drift(
     columns: dict[str, pa.Array], drift: Drift, rng: np.random.Generator
 ) -> dict[str, pa.Array]:
+    import pyarrow as pa
+
     n_rows = len(columns[SAMPLE_ID])
     rows = np.sort(rng.choice(n_rows, size=12, replace=False))
     if drift is Drift.RENAMED_COLUMN:
@@ -146,9 +152,11 @@ def _apply_drift(
     raise AssertionError(f"unhandled drift {drift!r}")
 
 
-def _write_atomically(table: pa.Table, path: Path) -> None:
+def write_table_atomically(table: pa.Table, path: Path) -> None:
     # A hidden temp file in the same directory: invisible to landing_files, and os.replace
     # within one filesystem is atomic, so a sensor never snapshots half a file.
+    import pyarrow.parquet as pq
+
     handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(handle)
     temp = Path(temp_name)
