@@ -9,7 +9,9 @@ TerminationReason` and one honest sentence. The rules, first match wins:
 3. a person cancelled: ``cancelled``; a newer attempt holds the run's fencing token (exit 80,
    ``StaleFencingTokenError``): ``fenced``.
 4. SIGKILL (or exit 137) and the cgroup's ``oom_kill`` counter went up: ``oom``.
-5. the trainer's last words, when present and consistent with the exit code: their reason.
+5. the trainer's last words, when present and consistent with the exit code: their reason
+   (``hung``: a rank's watchdog saw no step finish past its threshold, exit 81; the words name
+   the stuck rank, the phase and step it was in and the top frames of its stack).
 6. a signal, a lost node or an expired heartbeat: ``timeout`` if the wall-clock limit was
    reached, else ``preempted`` (the scheduler took the process away).
 7. the exception type (and message): ``oom``, ``infra_transient``, ``diverged``, ``bad_input``,
@@ -460,6 +462,7 @@ def _classify(evidence: AttemptEvidence) -> Termination:
             R.BAD_INPUT: "found bad input data",
             R.INFRA_TRANSIENT: "hit a storage or network error",
             R.USER_CODE_ERROR: "raised an error in training code",
+            R.HUNG: "finished no step past its hang watchdog's threshold",
         }[by_code]
         return Termination(
             by_code,

@@ -10,6 +10,7 @@ reason             action             rule
 succeeded          none               ``succeeded_evaluate``
 preempted          resume             ``preempted_resume``
 timeout            resume             ``timeout_resume``
+hung               resume             ``hung_resume``
 infra_transient    retry (backoff)    ``infra_transient_retry``
 oom                retry / stop       ``oom_config_changed`` / ``oom_config_unchanged``
 diverged           rollback / stop    ``diverged_rollback_once`` / ``..._budget_spent``
@@ -36,6 +37,7 @@ here fill in whatever it leaves out); the resolved policy is stored on the run
       oom:              {max_attempts: 2}                 # and only with a memory-relevant change
       diverged:         {max_attempts: 1}                 # one rollback
       timeout:          {max_attempts: 2}
+      hung:             {max_attempts: 3}                 # resumes after a rank's watchdog fired
       evaluator_crash:  {max_attempts: 2, backoff: {initial_seconds: 10, max_seconds: 120}}
       oom_memory_keys: [batch_size, activation_checkpointing, world_size]  # replaces the default
 
@@ -142,6 +144,10 @@ DEFAULT_BUDGETS: Mapping[TerminationReason, ReasonBudget] = MappingProxyType(
         R.OOM: ReasonBudget(max_attempts=2),
         R.DIVERGED: ReasonBudget(max_attempts=1),
         R.TIMEOUT: ReasonBudget(max_attempts=2),
+        # A hang is most often the platform's (a stuck collective, a storage mount that stopped
+        # answering): resumed at once, like a preemption; one that comes back at the same spot
+        # every time spends the budget and stops for a person.
+        R.HUNG: ReasonBudget(max_attempts=3),
         R.EVALUATOR_CRASH: ReasonBudget(
             max_attempts=2, backoff=Backoff(initial_seconds=10, max_seconds=120, multiplier=2)
         ),
@@ -606,9 +612,13 @@ def decide(
 
     backoff = budget.backoff.delay(spent_count)
     wait = f" after {backoff:.0f}s" if backoff else ""
-    if reason in (R.PREEMPTED, R.TIMEOUT):
+    if reason in (R.PREEMPTED, R.TIMEOUT, R.HUNG):
         path, words = _resume_target(checkpoints, earlier=False)
-        why = "was preempted" if reason == R.PREEMPTED else "reached its wall-clock limit"
+        why = {
+            R.PREEMPTED: "was preempted",
+            R.TIMEOUT: "reached its wall-clock limit",
+            R.HUNG: "hung (a rank's watchdog saw no step finish and ended it)",
+        }[reason]
         return made(
             RetryAction.RESUME,
             f"{reason}_resume",

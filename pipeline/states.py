@@ -42,6 +42,7 @@ class TerminationReason(StrEnum):
     USER_CODE_ERROR = "user_code_error"
     CANCELLED = "cancelled"  # a person asked for the stop
     FENCED = "fenced"  # a newer attempt of the run holds its fencing token and carries it on
+    HUNG = "hung"  # a rank made no step progress past its watchdog's threshold (exit 81)
 
 
 class CheckpointState(StrEnum):

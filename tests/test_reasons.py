@@ -220,6 +220,25 @@ CASES = [
         AttemptEvidence(exit_code=exit_codes.FENCED, newer_attempt={"attempt_no": 3, "via": "ui"}),
         R.FENCED, "by attempt 3 (launched by ui)", RetryAction.NEWER_ATTEMPT,
     ),
+    Case(
+        "a_rank_its_watchdog_saw_stuck_is_hung_and_resumed",
+        AttemptEvidence(
+            exit_code=exit_codes.HUNG,
+            last_words=_words(
+                "hung", "Rank 1 hung in data loading (loading the batch) at step 57 for 6.2 s "
+                "(threshold max(5 \u00d7 p99 0.04 s, floor 3 s) = 3 s); top frames: read "
+                "(loader.py:12). Rank 0 waited for it in compute at step 57", 56,
+            ),
+            last_committed_step=50,
+        ),
+        R.HUNG, "Rank 1 hung in data loading", RetryAction.RESUME,
+    ),
+    Case(
+        "exit_81_without_last_words_is_hung",
+        AttemptEvidence(exit_code=exit_codes.HUNG, last_committed_step=50),
+        R.HUNG, "code 81 (finished no step past its hang watchdog's threshold)",
+        RetryAction.RESUME,
+    ),
 ]  # fmt: skip
 
 
@@ -261,6 +280,19 @@ def test_last_words_that_contradict_the_exit_code_lose_to_it() -> None:
 def test_last_words_win_over_torchruns_generic_exit_1() -> None:
     words = _words("preempted", "Stopped on SIGTERM after step 80 of 600 (rank 0)", 80)
     assert classify(AttemptEvidence(exit_code=1, last_words=words)).reason == R.PREEMPTED
+
+
+def test_hung_words_under_a_stop_exit_code_lose_to_it() -> None:
+    """A rank whose watchdog wrote hung but whose attempt exited 75 (every rank saved on a
+    SIGTERM that reached them): the exit code is what happened to the attempt."""
+    termination = classify(
+        AttemptEvidence(
+            exit_code=exit_codes.PREEMPTED,
+            last_words=_words("hung", "Rank 0 hung in data loading at step 9", 8),
+            last_committed_step=5,
+        )
+    )
+    assert termination.reason == R.PREEMPTED
 
 
 def test_sigkill_after_last_words_keeps_their_reason_and_says_so() -> None:

@@ -163,6 +163,25 @@ def test_diverged_rolls_back_once_to_an_earlier_checkpoint_then_stops() -> None:
     assert (second.action, second.rule) == (RetryAction.STOP, "diverged_budget_spent")
 
 
+def test_hung_resumes_from_the_newest_commit_on_its_own_budget_then_stops() -> None:
+    """A hang spends the hung budget (3 by default), never the preemptions' or a policy's other
+    reasons; each one resumes from the newest committed checkpoint, at once."""
+    checkpoints = [_checkpoint(100), _checkpoint(200)]
+    history = _history(R.HUNG, R.PREEMPTED, R.HUNG, R.HUNG, R.HUNG)
+    first = decide(RetryPolicy.default(), history, history[0], checkpoints=checkpoints)
+    assert (first.action, first.rule) == (RetryAction.RESUME, "hung_resume")
+    assert first.resume_from == checkpoints[-1].path and first.backoff_seconds == 0
+    assert "hung (a rank's watchdog saw no step finish" in first.reason
+    assert first.budget_left == {"count": 2, "gpu_seconds": None}
+    third = decide(RetryPolicy.default(), history, history[3], checkpoints=checkpoints)
+    assert (third.action, third.spent["count"]) == (RetryAction.RESUME, 3)
+    fourth = decide(RetryPolicy.default(), history, history[4], checkpoints=checkpoints)
+    assert (fourth.action, fourth.rule) == (RetryAction.STOP, "hung_budget_spent")
+    once = RetryPolicy.from_mapping({"hung": {"max_attempts": 1}})
+    assert decide(once, history, history[2]).rule == "hung_budget_spent"
+    assert once.to_json()["preempted"]["max_attempts"] == 5  # the others keep their defaults
+
+
 @pytest.mark.parametrize("reason", [R.BAD_INPUT, R.USER_CODE_ERROR, R.CANCELLED])
 def test_bad_input_user_code_error_and_cancelled_stop_at_once(reason: R) -> None:
     ended = _attempt(1, reason)

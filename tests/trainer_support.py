@@ -145,3 +145,21 @@ def small_checkpoint(root: Path) -> Path:
     )
     assert code == 0
     return root / "store" / "r1" / "step-0000000020-a01"
+
+
+def train_in_process(
+    config: Path, store: Path, run_id: str, *, ledger_url: str | None = None
+) -> Finished:
+    """``run_training`` in this process, its events captured as a trainer process's stdout.
+
+    No interpreter start-up (seconds per run on a busy machine): for drills whose subject is
+    the loop, not the process. Drill hooks are read from ``os.environ`` (monkeypatch them).
+    """
+    from pipeline.trainer.reporting import StdoutReporter
+    from pipeline.trainer.train import run_training
+
+    out = io.StringIO()
+    code = run_training(
+        config, run_id=run_id, store=store, ledger_url=ledger_url, reporter=StdoutReporter(out)
+    )
+    return Finished(code, parse_events(out.getvalue()), "")

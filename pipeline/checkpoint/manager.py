@@ -184,6 +184,11 @@ class CheckpointManager:
         self._device_copies: DeviceCopies | None = None
         self._step_hook: tuple[torch.optim.Optimizer, Any] | None = None
         self.last_stall: SaveStall | None = None
+        # Retention keeps the newest committed checkpoint at or before this step: the last
+        # step known clean before the most recent loss spike (see protect_through).
+        self.protected_through: int | None = None
+        # Set only inside rollback(): resume() then looks no later than this step.
+        self._resume_at_most: int | None = None
         self._thread = threading.local()
         # What the writer thread did, told on the training thread (reporters are not shared).
         self._pending: deque[Callable[[], None]] = deque()
@@ -507,7 +512,12 @@ class CheckpointManager:
                     self.run_id, [CheckpointState.CORRUPT, CheckpointState.SUPERSEDED]
                 )
             }
-        return [d for d in checkpoint_dirs(self.run_dir) if str(d) not in ruled_out]
+        cap = self._resume_at_most
+        return [
+            d
+            for d in checkpoint_dirs(self.run_dir)
+            if str(d) not in ruled_out and (cap is None or _dir_step(d) <= cap)
+        ]
 
     def ledger_commits(self) -> dict[str, LedgerCommit] | None:
         """What the ledger committed, by directory: None without a ledger (the directory is
@@ -610,6 +620,57 @@ class CheckpointManager:
         if changed is not None:
             raise RestoreDivergedError(changed[0], str(changed[1])) from changed[1]
         return None
+
+    def rollback(self, state: TrainingState, *, at_most_step: int) -> CheckpointInfo | None:
+        """Restore the newest committed checkpoint at or before ``at_most_step`` (a loss
+        spike's rollback), by the resume path itself: verified, checked against the run, read
+        into the live tensors, probed. None when there is none to go back to (``state`` is
+        then untouched); :class:`RestoreDivergedError` as for :meth:`resume`.
+
+        Waits for a save in flight first: its writer reads the live tensors this overwrites.
+        """
+        self.wait()
+        self._resume_at_most = at_most_step
+        try:
+            return self.resume(state)
+        finally:
+            self._resume_at_most = None
+
+    def retire_newer_than(self, target: CheckpointInfo, why: str) -> list[Path]:
+        """After a rollback to ``target``: the committed checkpoints after it are superseded
+        (in the ledger, with ``why``) and deleted, COMMITTED first.
+
+        They belong to the trajectory the rollback abandoned, so nothing may resume from them,
+        and the replayed steps will save under the same names. One an evaluation or promotion
+        references is superseded but kept. Returns the directories deleted.
+        """
+        referenced: set[str] = set()
+        if self.ledger is not None:
+            referenced = {str(Path(p).resolve()) for p in self.ledger.referenced_checkpoint_paths()}
+        deleted = []
+        for directory in self.committed_dirs():
+            if _dir_step(directory) <= target.step or directory == Path(target.path):
+                continue
+            if self.ledger is not None:
+                self.ledger.set_checkpoint_state(
+                    self.run_id, str(directory), CheckpointState.SUPERSEDED, why
+                )
+            if str(directory) in referenced:
+                continue
+            (directory / COMMITTED_FILE).unlink(missing_ok=True)
+            fsync_dir(directory)
+            shutil.rmtree(directory, ignore_errors=True)
+            deleted.append(directory)
+        if deleted:
+            fsync_dir(self.run_dir)
+            self._event("checkpoints_superseded", {"paths": [str(d) for d in deleted], "why": why})
+        return deleted
+
+    def protect_through(self, step: int | None) -> None:
+        """Retention keeps the newest committed checkpoint at or before ``step`` whatever
+        keep_last_k says: the last clean one before the most recent loss spike, so checkpoints
+        written after it (perhaps already bad) cannot push every good one out."""
+        self.protected_through = step
 
     def restore(
         self,
@@ -722,7 +783,8 @@ class CheckpointManager:
         """Supersede and delete committed checkpoints beyond keep-last-K and best-K.
 
         Never deletes the newest committed checkpoint, nor one an evaluation or promotion
-        references. Returns the directories deleted.
+        references, nor the newest one before the most recent loss spike
+        (:meth:`protect_through`). Returns the directories deleted.
         """
         committed = self.committed_dirs()
         if not committed:
@@ -737,6 +799,9 @@ class CheckpointManager:
             ]
             scored.sort(key=lambda pair: pair[0], reverse=self.config.best_mode == "max")
             keep.update(d for _, d in scored[: self.config.keep_best_k])
+        if self.protected_through is not None:
+            clean = [d for d in committed if _dir_step(d) <= self.protected_through]
+            keep.update(clean[:1])
         referenced: set[str] = set()
         if self.ledger is not None:
             referenced = {str(Path(p).resolve()) for p in self.ledger.referenced_checkpoint_paths()}

@@ -107,6 +107,7 @@ def rebuild_training_state(contents: CheckpointContents, *, device: torch.device
     from pipeline.trainer.config import ConfigError, TrainConfig
     from pipeline.trainer.data import EpochSampler
     from pipeline.trainer.model import build_model
+    from pipeline.trainer.spikes import TrainingHealth
     from pipeline.trainer.train import build_optimizer
 
     path, saved = contents.info.path, contents.trainer_state
@@ -143,6 +144,8 @@ def rebuild_training_state(contents: CheckpointContents, *, device: torch.device
         lr_scheduler=scheduler,
         data_manifest_sha256=saved.get("data_manifest_sha256"),
         snapshot_id=saved.get("snapshot_id"),
+        # The spike detector's windows and history ride in the trainer state (spikes.py).
+        health=TrainingHealth(cfg.spikes) if "health" in saved else None,
     )
     # A component saved but not rebuilt here would be silently skipped by restore: refuse, so
     # this check cannot pass on a checkpoint whose state the trainer restores differently.

@@ -122,6 +122,10 @@ class TrainingState:
     step: int = 0
     data_manifest_sha256: str | None = None
     snapshot_id: str | None = None
+    # The loss-spike detector's windows and the run's health history
+    # (pipeline.trainer.spikes.TrainingHealth): a resumed attempt judges as the uninterrupted
+    # one would, and every checkpoint carries the history of the lineage that made it.
+    health: Stateful | None = None
 
     def stateful(self) -> dict[str, Stateful]:
         parts: dict[str, Stateful] = {
@@ -133,6 +137,8 @@ class TrainingState:
             parts["lr_scheduler"] = self.lr_scheduler
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             parts["grad_scaler"] = self.grad_scaler
+        if self.health is not None:
+            parts["health"] = self.health
         return parts
 
 

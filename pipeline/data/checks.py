@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 JsonScalar = str | int | float | bool | None
 
@@ -96,7 +95,10 @@ def json_scalar(value: Any) -> JsonScalar:
         return int(value)
     if isinstance(value, float):
         return float(value) if math.isfinite(value) else None
-    # pandas.NA, NaT and friends are "missing"; anything else is shown as text.
+    # pandas.NA, NaT and friends are "missing"; anything else is shown as text. (pandas is
+    # imported here, not above: the trainer's data gate reads CheckOutcome without a frame.)
+    import pandas as pd
+
     try:
         if pd.isna(value):
             return None

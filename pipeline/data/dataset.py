@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from pipeline.data.columns import (
     IMAGE_SIDE,
@@ -21,6 +20,7 @@ from pipeline.data.errors import EmptySplitError, MissingColumnError, UnknownSpl
 from pipeline.digests import sha256_json
 
 if TYPE_CHECKING:
+    import pandas as pd
     import torch
 
 # Bump when the canonical form below changes: equal eval rows must keep an equal version.

@@ -17,10 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from pipeline import safepath
 from pipeline.data._fs import fsync_dir, fsync_file
@@ -34,6 +31,9 @@ from pipeline.data.errors import (
 )
 from pipeline.data.landing import landing_files
 from pipeline.digests import sha256_bytes, sha256_file, sha256_json
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 SNAPSHOT_ID_PREFIX = "digits-"
 MANIFEST_NAME = "manifest.json"
@@ -224,6 +224,8 @@ def verify_snapshot(snapshot: Snapshot) -> None:
     Names each file that is missing, unexpected, or differs in size or sha256, and a
     manifest that was edited after the snapshot was opened or no longer matches its id.
     """
+    import pyarrow.parquet as pq
+
     problems: list[tuple[str, str]] = []
     manifest_path = snapshot.manifest_path
     if not manifest_path.is_file():
@@ -279,6 +281,9 @@ def verify_snapshot(snapshot: Snapshot) -> None:
 
 def read_snapshot_frame(snapshot: Snapshot, *, verify: bool = True) -> pd.DataFrame:
     """All rows of the snapshot's files, in manifest order (verified first unless told not to)."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
     if verify:
         verify_snapshot(snapshot)
     frames = [
@@ -342,6 +347,7 @@ def _parquet_rows(path: Path, landing_path: Path) -> int:
     # A zero-byte, truncated or non-Parquet landing file is bad input naming that file, not a
     # pyarrow traceback about "a file" somewhere in a staging folder.
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     if path.stat().st_size == 0:
         raise LandingFileError(landing_path, "is empty (0 bytes), not a Parquet file")
@@ -357,6 +363,8 @@ def _parquet_rows(path: Path, landing_path: Path) -> int:
 def _columns(data_dir: Path, entries: list[dict[str, Any]]) -> list[dict[str, str]]:
     # Union in order of first appearance; a column whose type differs between files lists
     # every type seen ("int64|double"), so the manifest shows the disagreement.
+    import pyarrow.parquet as pq
+
     dtypes: dict[str, list[str]] = {}
     for entry in entries:
         for field in pq.read_schema(data_dir / entry["name"]):

@@ -33,8 +33,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # First of all, before torch is imported (seconds): a SIGTERM during start-up is a stop the
-    # trainer acts on (a rank dying of it would leave its peers waiting), never a death.
+    # The start-up's clock first (the receipt's timings.startup counts from here and from the
+    # process's own start), then, before torch is imported (seconds): a SIGTERM during
+    # start-up is a stop the trainer acts on (a rank dying of it would leave its peers
+    # waiting), never a death.
+    from pipeline.trainer.startup import StartupClock
+
+    startup = StartupClock.at_main()
     from pipeline.trainer.stop import StopRequest
 
     stop = StopRequest()
@@ -66,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         attempt_no=args.attempt_no,
         fencing_token=args.fencing_token,
         stop=stop,
+        startup=startup,
     )
 
 

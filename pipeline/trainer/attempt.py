@@ -61,6 +61,13 @@ def last_words_path(store: str | Path, run_id: str, attempt_no: int, *, rank: in
     return layout.run_dir(store, run_id) / f"attempt-{number}{suffix}.last_words.json"
 
 
+def stacks_path(store: str | Path, run_id: str, attempt_no: int, *, rank: int = 0) -> Path:
+    """``attempt-<n>[.rank-<r>].stacks.txt`` beside the last words: every thread's stack, dumped
+    by the hang watchdog of that rank when it fired (``faulthandler``)."""
+    words = last_words_path(store, run_id, attempt_no, rank=rank)
+    return words.with_name(words.name.replace(".last_words.json", ".stacks.txt"))
+
+
 def next_standalone_attempt_no(run_dir: Path) -> int:
     """Without a ledger, the next attempt number is one past any the run directory shows."""
     seen = [0]
@@ -259,10 +266,21 @@ def _owner() -> str:
 
 
 def write_last_words(
-    path: Path, *, run_id: str, attempt_no: int, outcome: Outcome, last_checkpoint: str | None
+    path: Path,
+    *,
+    run_id: str,
+    attempt_no: int,
+    outcome: Outcome,
+    last_checkpoint: str | None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """The trainer's last words, written atomically before it exits on a classified stop (or a
-    success that trained nothing)."""
+    success that trained nothing).
+
+    ``extra`` adds evidence of the ending's own (a hung rank's ``hang`` record, the story of
+    every rank's hang, its step timing ``steps``) beside the fields every ending has, which it
+    never replaces.
+    """
     exc = outcome.exception
     payload: dict[str, Any] = {
         "run_id": run_id,
@@ -282,5 +300,6 @@ def write_last_words(
         "pid": os.getpid(),
         "written_at": datetime.now(UTC).isoformat(),
     }
+    payload = {**(extra or {}), **payload}
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_atomically(path, json.dumps(payload, indent=1, sort_keys=True).encode())

@@ -64,10 +64,126 @@ class LRScheduleConfig:
     """step: the factor each decay multiplies the learning rate by, in (0, 1]."""
 
 
+SPIKE_ACTIONS = ("skip", "rollback", "stop")
+SPIKE_METRICS = ("loss", "grad_norm")
+
+
+@dataclass(frozen=True)
+class SpikeConfig:
+    """The ``spikes`` section: the loss-spike detector (pipeline/trainer/spikes.py) and what a
+    spike does. Part of the trajectory: a skipped update or a rollback changes the weights."""
+
+    enabled: bool = True
+    """Judge every step's loss and gradient norm; false: no detector (nothing skipped, nothing
+    recorded)."""
+    action: str = "skip"
+    """What a spike does: skip (no optimizer update on that step; the step and the data move
+    on), rollback (restore the newest committed checkpoint from before the spike, then deal
+    the data past the batches that caused it) or stop (end the attempt as diverged)."""
+    metrics: str = "loss,grad_norm"
+    """Comma-separated: which of loss and grad_norm (the global L2 norm of the gradients,
+    before the update) are judged; a spike in either is a spike."""
+    window: int = 128
+    """Steps of recent history (spikes left out) the mean and standard deviation are taken
+    over."""
+    # 20 clean demo runs (seeds 0-19): the gradient norm climbs ~20x over the first 40 steps,
+    # a z-score of 7 against a window still that young; judged from step 51 on, the highest of
+    # any seed was 4.5 (bench/results/2026-11-27-health-false-positives.md).
+    min_history: int = 50
+    """Steps in the window before the detector judges at all (the gradient norm climbs for
+    the first tens of steps); a non-finite value is a spike from the first step."""
+    zscore: float | None = 6.0
+    """A value more than this many standard deviations above the window's mean is a spike;
+    null: not judged by z-score."""
+    ratio: float | None = None
+    """A value more than this many times the window's mean is a spike; null: not judged by
+    ratio."""
+    max_spikes: int | None = 10
+    """The run's spike count (over all attempts) at which it stops as diverged, whatever the
+    action; null: never for their number."""
+    skip_batches_before: int = 2
+    """rollback: batches before the spiking one that are never dealt again."""
+    skip_batches_after: int = 2
+    """rollback: batches after the spiking one that are never dealt."""
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """``metrics`` as names, in the order written."""
+        return tuple(name.strip() for name in self.metrics.split(",") if name.strip())
+
+    def check(self, source: str) -> None:
+        """Raise :class:`ConfigError` naming the first ``spikes.*`` key that is wrong."""
+
+        def bad(key: str, problem: str) -> ConfigError:
+            return ConfigError(source, f"spikes.{key}", problem)
+
+        if self.action not in SPIKE_ACTIONS:
+            raise bad("action", f"must be one of {', '.join(SPIKE_ACTIONS)}, got {self.action!r}")
+        names = self.metric_names
+        unknown = [name for name in names if name not in SPIKE_METRICS]
+        if not names or unknown or len(set(names)) != len(names):
+            raise bad(
+                "metrics",
+                f"must name {' and/or '.join(SPIKE_METRICS)}, comma-separated, "
+                f"each once, got {self.metrics!r}",
+            )
+        if self.window < 2:
+            raise bad("window", f"must be >= 2, got {self.window}")
+        if not 2 <= self.min_history <= self.window:
+            raise bad(
+                "min_history", f"must be in 2..window ({self.window}), got {self.min_history}"
+            )
+        for key, value in (("zscore", self.zscore), ("ratio", self.ratio)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise bad(key, f"must be a finite number > 0 or null, got {value}")
+        if self.ratio is not None and self.ratio <= 1:
+            raise bad("ratio", f"must be > 1 (a multiple of the mean), got {self.ratio}")
+        if self.enabled and self.zscore is None and self.ratio is None:
+            raise bad("zscore", "is null and so is spikes.ratio: nothing would be a spike")
+        if self.max_spikes is not None and self.max_spikes < 1:
+            raise bad("max_spikes", f"must be >= 1 or null, got {self.max_spikes}")
+        for key in ("skip_batches_before", "skip_batches_after"):
+            if getattr(self, key) < 0:
+                raise bad(key, f"must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """The ``watchdog`` section: the hang watchdog every rank runs (pipeline/trainer/watchdog.py).
+
+    Operational: it never changes a weight, so it stays out of the config digest. A rank is hung
+    when no step finishes for max(``multiple`` x its p99 step time, ``floor_seconds``); checkpoint
+    saves, ledger heartbeats and a drill's deliberate pause do not count against it.
+    """
+
+    enabled: bool = True
+    """Watch each rank, from its first finished step, for a step that never finishes; false: no
+    watchdog (a stuck rank then waits until something outside stops it)."""
+    multiple: float = 5.0
+    """Times this attempt's p99 step time (of the steps so far) without a finished step that
+    make a rank hung; never below floor_seconds."""
+    # Below the resume sensor's heartbeat timeout (TRACKS_HEARTBEAT_TIMEOUT, 60 s): a stuck trainer
+    # stops heartbeating too, and the watchdog must end it as hung, with its stacks, before the
+    # silence sweep takes it for a lost node. A stall longer than that already ended the attempt.
+    floor_seconds: float = 45.0
+    """The least time without a finished step that counts as a hang, in seconds; keep it below
+    the resume sensor's heartbeat timeout (60 s), or a hang is closed as a lost trainer first."""
+
+    def check(self, source: str) -> None:
+        """Raise :class:`ConfigError` naming the first ``watchdog.*`` key that is wrong."""
+        limits = {"multiple": (self.multiple, 1.0), "floor_seconds": (self.floor_seconds, 0.1)}
+        for key, (value, least) in limits.items():
+            if not (math.isfinite(value) and value >= least):
+                raise ConfigError(
+                    source, f"watchdog.{key}", f"must be a finite number >= {least}, got {value}"
+                )
+
+
 # Settings that change how a run is operated, never what it computes (resume is bit-exact
 # whatever they are): left out of the config digest.
 OPERATIONAL_KEYS = frozenset(
     {
+        "watchdog",
         "async_save",
         "log_every_steps",
         "checkpoint_every_steps",
@@ -137,6 +253,10 @@ class TrainConfig:
     # copy; the final and the preemption checkpoint are always synchronous.
     async_save: bool = True
     """Write periodic checkpoints in the background; the final one is always synchronous."""
+    spikes: SpikeConfig = field(default_factory=SpikeConfig)
+    """The loss-spike detector and its action (skip, rollback or stop)."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """The hang watchdog: when a rank that finishes no step is ended as hung."""
 
     @classmethod
     def load(cls, path: str | Path) -> Self:
@@ -157,13 +277,21 @@ class TrainConfig:
     ) -> Self:
         if not isinstance(raw, dict):
             raise ConfigError(source, None, f"must be a mapping, got {type(raw).__name__}")
-        values = _check_section(raw, cls, source, prefix="", skip={"model", "lr_schedule"})
+        values = _check_section(
+            raw, cls, source, prefix="", skip={"model", "lr_schedule", "spikes", "watchdog"}
+        )
         values["model"] = ModelConfig(
             **_check_section(raw.get("model", {}), ModelConfig, source, "model.")
         )
         schedule_raw = raw.get("lr_schedule", {})
         values["lr_schedule"] = LRScheduleConfig(
             **_check_section(schedule_raw, LRScheduleConfig, source, "lr_schedule.")
+        )
+        values["spikes"] = SpikeConfig(
+            **_check_section(raw.get("spikes", {}), SpikeConfig, source, "spikes.")
+        )
+        values["watchdog"] = WatchdogConfig(
+            **_check_section(raw.get("watchdog", {}), WatchdogConfig, source, "watchdog.")
         )
         snapshot_dir = Path(values["snapshot_dir"]).expanduser()
         if not snapshot_dir.is_absolute() and base_dir is not None:
@@ -232,6 +360,8 @@ class TrainConfig:
             raise bad("model", "channels and hidden must be >= 1")
         if not 0.0 <= self.model.dropout < 1.0:
             raise bad("model.dropout", f"must be in [0, 1), got {self.model.dropout}")
+        self.spikes.check(source)
+        self.watchdog.check(source)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config: every key, defaults filled in, plain JSON values."""

@@ -103,6 +103,11 @@ class EpochSampler:
     The order of epoch ``e`` depends only on ``seed + e``, so a resumed process that knows
     (epoch, position) draws exactly the batches the interrupted one would have drawn.
     Incomplete last batches are dropped, so every step sees ``batch_size`` examples.
+
+    Batch *numbers* count the seeded order from 1 over the whole run (epoch after epoch): in
+    a run that skipped nothing, step n trains on batch n. A loss spike's rollback names ranges
+    of them never to deal (:meth:`skip_batches`); the cursor moves past them as it reaches
+    them, and the ranges are part of its state, so a resumed process skips the same batches.
     """
 
     def __init__(self, num_examples: int, batch_size: int, seed: int) -> None:
@@ -114,16 +119,35 @@ class EpochSampler:
         self.batch_size = batch_size
         self.seed = seed
         self.epoch = 0
-        self.position = 0  # batches already drawn in this epoch
+        self.position = 0  # batches already drawn (or skipped) in this epoch
+        self.skipped: list[tuple[int, int]] = []  # [first, last] batch numbers never dealt
         self._order: torch.Tensor | None = None
 
     @property
     def batches_per_epoch(self) -> int:
         return self.num_examples // self.batch_size
 
+    @property
+    def dealt(self) -> int:
+        """Batches of the run's order dealt or skipped so far: the number of the last one."""
+        return self.epoch * self.batches_per_epoch + self.position
+
+    def skip_batches(self, first: int, last: int) -> None:
+        """Never deal batches ``first``..``last`` (numbers; see the class doc)."""
+        if not 1 <= first <= last:
+            raise ValueError(f"batch range {first}..{last} is not a range of batch numbers")
+        self.skipped.append((first, last))
+
+    def _is_skipped(self, number: int) -> bool:
+        return any(first <= number <= last for first, last in self.skipped)
+
     def next_indices(self) -> torch.Tensor:
-        if self.position >= self.batches_per_epoch:
-            self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        while True:
+            if self.position >= self.batches_per_epoch:
+                self.epoch, self.position, self._order = self.epoch + 1, 0, None
+            if not self._is_skipped(self.dealt + 1):
+                break
+            self.position += 1  # moved past: no example of it is ever drawn
         if self._order is None:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             self._order = torch.randperm(self.num_examples, generator=generator)
@@ -138,6 +162,7 @@ class EpochSampler:
             "seed": self.seed,
             "num_examples": self.num_examples,
             "batch_size": self.batch_size,
+            "skipped": [list(r) for r in self.skipped],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -147,3 +172,5 @@ class EpochSampler:
                     f"data cursor {key}={state[key]} in the checkpoint, {getattr(self, key)} now"
                 )
         self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
+        # Checkpoints written before skip ranges existed have none.
+        self.skipped = [(int(first), int(last)) for first, last in state.get("skipped", [])]

@@ -18,6 +18,7 @@ OOM = 77  # torch.OutOfMemoryError
 CONFIG_ERROR = 78  # EX_CONFIG: the config does not load, or does not match the run
 TIMEOUT = 79  # max_wall_seconds reached, final checkpoint committed
 FENCED = 80  # a newer attempt holds the run's fencing token; this one stopped
+HUNG = 81  # the hang watchdog saw no step finish past its threshold; stacks in the last words
 
 REASON_BY_EXIT_CODE: dict[int, TerminationReason] = {
     SUCCEEDED: TerminationReason.SUCCEEDED,
@@ -31,4 +32,6 @@ REASON_BY_EXIT_CODE: dict[int, TerminationReason] = {
     TIMEOUT: TerminationReason.TIMEOUT,
     # Not this attempt's failure and not worth a retry: the newer attempt carries the run on.
     FENCED: TerminationReason.FENCED,
+    # Alive but stuck: ended by its own watchdog, resumed from the last commit on a budget.
+    HUNG: TerminationReason.HUNG,
 }

@@ -16,6 +16,7 @@ and which checkpoint is the newest committed; the launcher's exit code is then t
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -61,7 +62,11 @@ from pipeline.trainer.config import ConfigError, TrainConfig
 from pipeline.trainer.data import BadInputError, EpochSampler, TrainingData, load_training_data
 from pipeline.trainer.model import build_model
 from pipeline.trainer.reporting import Reporter, StdoutReporter, make_reporter
+from pipeline.trainer.spikes import HealthEvent, Spike, TrainingHealth, spike_words
+from pipeline.trainer.startup import Beside, StartupClock
 from pipeline.trainer.stop import StopRequest
+from pipeline.trainer.timing import BETWEEN, StepTimer
+from pipeline.trainer.watchdog import HangContext, HangFault, Stall, Watchdog, end_hung_attempt
 
 # Test hook: after step N, pause ("seconds@N") until the pause ends or a stop is requested,
 # so a drill can SIGKILL or SIGTERM the trainer at a known step.
@@ -73,6 +78,10 @@ FAULT_OOM_ABOVE_BATCH = envvars.TRACKS_FAULT_OOM_ABOVE_BATCH.name
 # inside the stop agreement, after it read its own flag and before it reduces, so a drill can
 # land a signal there: on this rank, or on a peer waiting in the reduction.
 FAULT_SLEEP_BEFORE_AGREEMENT = envvars.TRACKS_FAULT_SLEEP_BEFORE_AGREEMENT.name
+# Test hook: "60,61": the batches numbered 60 and 61 in the data order (steps 60 and 61 of a run
+# that skipped none) reach the model with their pixels scaled by 1000, a loss spike on demand.
+# By batch, not by step: a rollback that deals past them leaves no corrupted batch behind.
+FAULT_SPIKE_BATCHES = envvars.TRACKS_FAULT_SPIKE_BATCHES.name
 
 
 class StoppedBeforeTraining(Exception):
@@ -97,13 +106,18 @@ def run_training(
     fencing_token: int | None = None,
     reporter: Reporter | None = None,
     stop: StopRequest | None = None,
+    startup: StartupClock | None = None,
 ) -> int:
     """Train ``run_id`` to ``max_steps`` under ``store``, resuming from its newest checkpoint.
 
     Returns an exit code from :mod:`pipeline.trainer.exit_codes`. ``config`` may be a path
     to a YAML file (a config that does not load is a ``CONFIG_ERROR`` with last words).
+    ``startup``: the clock ``main()`` started, so the receipt's start-up split
+    (``timings.startup``) counts the process's start and its imports too.
     """
     started, cpu_started = time.monotonic(), time.process_time()
+    startup = startup or StartupClock()
+    startup.entered()
     world = World.from_env()
     # Rank 0 alone speaks for the attempt (Pipes, ledger); the other ranks write JSON lines
     # to their own stdout, which the launcher keeps in a file per rank.
@@ -116,9 +130,12 @@ def run_training(
     loaded: TrainConfig | None = None
     try:
         # The ledger first: a config that does not load still leaves its attempt row.
-        ledger = (
-            _open_ledger(ledger_url, orchestrated=attempt_no is not None) if world.leader else None
-        )
+        with startup.part("ledger"):
+            ledger = (
+                _open_ledger(ledger_url, orchestrated=attempt_no is not None)
+                if world.leader
+                else None
+            )
         attempt = AttemptHandle(
             run_id=run_id,
             run_dir=run_dir,
@@ -128,7 +145,9 @@ def run_training(
             reporter=reporter,
         )
         loaded = config if isinstance(config, TrainConfig) else TrainConfig.load(config)
-        trainer = Trainer(loaded, attempt, reporter, stop, started=started, world=world)
+        trainer = Trainer(
+            loaded, attempt, reporter, stop, started=started, world=world, startup=startup
+        )
         outcome = trainer.run()
     except Exception as exc:
         outcome = classify_exception(exc, step=trainer.step if trainer else None)
@@ -141,10 +160,15 @@ def run_training(
     wall = ended - started
     # What each clock measured, so "ran 15 s" on the receipt and this process's 11.7 s agree
     # on what they are: the receipt counts from the orchestrator's begin to its end.
-    timings = {"trainer_process_seconds": round(wall, 3)}
+    timings: dict[str, Any] = {"trainer_process_seconds": round(wall, 3)}
     if trainer is not None and trainer.loop_started is not None:
         timings["setup_seconds"] = round(trainer.loop_started - started, 3)
         timings["training_seconds"] = round(ended - trainer.loop_started, 3)
+    # Where the start-up went, up to the end of the first step (pipeline/trainer/startup.py).
+    if split := startup.split(trainer.loop_started if trainer is not None else None):
+        timings["startup"] = split
+    if trainer is not None and (steps := trainer.step_timings()):
+        timings["steps"] = steps  # type: ignore[assignment]  # per rank: median, p99 per phase
     cpu_seconds = time.process_time() - cpu_started
     # One accelerator per rank when distributed; every visible one for a single process.
     gpu_seconds = (
@@ -279,6 +303,13 @@ def _leave_receipt(
 class Trainer:
     """One attempt's training: build, maybe resume, step, maybe save."""
 
+    # Set when the loop starts: its step timer, hang watchdog and the drill's hang hook; at
+    # several ranks, every rank's step timing once the loop ended together.
+    _timer: StepTimer | None = None
+    _watchdog: Watchdog | None = None
+    _hang_fault: HangFault | None = None
+    _step_timings: dict[str, Any] | None = None
+
     def __init__(
         self,
         config: TrainConfig,
@@ -288,9 +319,11 @@ class Trainer:
         *,
         started: float,
         world: World | None = None,
+        startup: StartupClock | None = None,
     ) -> None:
         self.config = config
         self.world = world or World()
+        self.startup = startup or StartupClock()  # the receipt's start-up split
         self.groups: Groups | None = None
         self._forward: torch.nn.Module | None = None  # the DDP wrapper when distributed
         self.attempt = attempt
@@ -337,6 +370,14 @@ class Trainer:
                 "batch_size",
                 f"{cfg.batch_size} does not split evenly over {world.world_size} ranks",
             )
+        # The data loads on a thread of its own (its file reads, hashing and Parquet decoding
+        # let go of the GIL) while this one joins the other ranks and builds the model and
+        # optimizer. The restore waits for the data: it checks the checkpoint against the
+        # data's digest and restores the data cursor, whose size is the data's.
+        loading = Beside(
+            lambda: load_training_data(cfg.snapshot_dir, ledger=self.attempt.ledger).to(device),
+            name="training-data",
+        )
         if world.distributed:
             if self.stop.requested:  # joining would only keep the peers waiting for nothing
                 raise StoppedBeforeTraining(world.rank, "before joining the other ranks")
@@ -344,16 +385,21 @@ class Trainer:
             self.groups = Groups(world, device, abandon=lambda: self.stop.requested)
         elif _resumes_large_files(self.attempt.run_dir):
             prepare_read_buffers()  # while the data loads and the model is built
-        self.data = data = load_training_data(cfg.snapshot_dir, ledger=self.attempt.ledger).to(
-            device
-        )
-        self._agree_before_training("after loading the training data")
+        # Taken before the model draws from the seeded generators (loading the data draws
+        # from none): a restore that diverges builds the initial state again from here.
         seeded = RNGState().state_dict()
-        state = self._build(data, device)
+        built = self._build_model(device)
+        try:
+            self.data = data = loading.result()
+        finally:
+            self.startup.add("data", loading.seconds or 0.0)
+        self._agree_before_training("after loading the training data")
+        state = self._build(data, device, built=built)
         manager = self._make_manager()
         self._manager = manager
         try:
-            resumed = manager.resume(state)
+            with self.startup.part("restore"):
+                resumed = manager.resume(state)
         except RestoreDivergedError as exc:
             # Every checkpoint failed (each is marked corrupt), the last after it was read
             # into the live tensors: the initial state again, built from the same generators
@@ -367,15 +413,16 @@ class Trainer:
             # An attempt like any other (self-owned: begun now, with the restore it did), so
             # stdout, Pipes and the ledger all say the same: it restored the final checkpoint
             # and trained nothing.
-            self.attempt.begin(
-                cfg,
-                snapshot_id=data.snapshot_id,
-                data_manifest_sha256=data.manifest_sha256,
-                resumed_from=str(resumed.path),
-            )
-            # Where it ran, as for any attempt: the receipt's placement must not say one rank
-            # for an attempt launched on several that found nothing to train.
-            self._record_world(manager)
+            with self.startup.part("ledger"):
+                self.attempt.begin(
+                    cfg,
+                    snapshot_id=data.snapshot_id,
+                    data_manifest_sha256=data.manifest_sha256,
+                    resumed_from=str(resumed.path),
+                )
+                # Where it ran, as for any attempt: the receipt's placement must not say one
+                # rank for an attempt launched on several that found nothing to train.
+                self._record_world(manager)
             return Outcome(
                 TerminationReason.SUCCEEDED,
                 exit_codes.SUCCEEDED,
@@ -387,29 +434,36 @@ class Trainer:
         self._agree_before_training(
             "after restoring the newest checkpoint" if resumed else "after finding none to restore"
         )
-        self.attempt.begin(
-            cfg,
-            snapshot_id=data.snapshot_id,
-            data_manifest_sha256=data.manifest_sha256,
-            resumed_from=str(resumed.path) if resumed else None,
-        )
+        with self.startup.part("ledger"):
+            self.attempt.begin(
+                cfg,
+                snapshot_id=data.snapshot_id,
+                data_manifest_sha256=data.manifest_sha256,
+                resumed_from=str(resumed.path) if resumed else None,
+            )
         manager.bind_attempt(self.attempt.attempt_no, self.attempt.fencing_token)  # type: ignore[arg-type]
         # Rank 0 began the attempt; the others learnt its number from it.
         self.attempt.attempt_no = manager.attempt_no
         # Holding the token now: a commit an older attempt made just before is not missed.
-        reconciled = manager.reconcile_with_ledger(state, resumed)
+        with self.startup.part("restore"):
+            reconciled = manager.reconcile_with_ledger(state, resumed)
         # A self-owned begin leaves restored_step empty without a path; a fresh start is a
         # restore of step 0 that did happen, so it is recorded now, as the orchestrated one is.
         fresh_self_owned = self.attempt.owns_attempt and resumed is None
-        if (reconciled != resumed or fresh_self_owned) and self.attempt.ledger is not None:
-            self.attempt.ledger.set_resumed_from(
-                self.attempt.run_id,
-                self.attempt.attempt_no,  # type: ignore[arg-type]
-                str(reconciled.path) if reconciled else None,
-            )
-        resumed = reconciled
-        self.step, self.last_checkpoint = state.step, resumed
-        self._record_world(manager)
+        with self.startup.part("ledger"):
+            if (reconciled != resumed or fresh_self_owned) and self.attempt.ledger is not None:
+                self.attempt.ledger.set_resumed_from(
+                    self.attempt.run_id,
+                    self.attempt.attempt_no,  # type: ignore[arg-type]
+                    str(reconciled.path) if reconciled else None,
+                )
+            resumed = reconciled
+            self.step, self.last_checkpoint = state.step, resumed
+            self._record_world(manager)
+        # The restored history (cumulative over the lineage) protects its clean checkpoint too.
+        health = _health_of(state)
+        manager.protect_through(health.clean_through() if health else None)
+        self._record_health(health)
         if world.distributed:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -428,7 +482,8 @@ class Trainer:
                 "config": state.config,
             },
         )
-        self.attempt.heartbeat(state.step, force=True)
+        with self.startup.part("ledger"):
+            self.attempt.heartbeat(state.step, force=True)
         self._tracker = self._start_tracking(state, data)
         outcome: Outcome | None = None
         try:
@@ -506,6 +561,9 @@ class Trainer:
                 self.reporter.event("ledger_unreachable", {"error": str(exc)[:500]}, "warning")
 
     def _start_tracking(self, state: TrainingState, data: TrainingData) -> TrainingTracker | None:
+        """The attempt's MLflow tracker, or None. Off the first step's path: the tracker imports
+        MLflow (seconds) and finds its run on a thread of its own, and queues the steps trained
+        meanwhile, so the first step waits for neither and MLflow still gets every step."""
         uri = envvars.TRACKS_MLFLOW_URI.get()
         if not uri or not self.world.leader:
             return None  # a standalone trainer without MLflow: the ledger is the record
@@ -525,10 +583,25 @@ class Trainer:
             },
         )
 
-    def _build(self, data: TrainingData, device: torch.device) -> TrainingState:
+    def _build_model(
+        self, device: torch.device
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        """The model, its optimizer and LR scheduler, from the seeded generators; no data needed."""
+        model = build_model(self.config.to_dict()["model"]).to(device)
+        optimizer, scheduler = build_optimizer(self.config, model)
+        return model, optimizer, scheduler
+
+    def _build(
+        self,
+        data: TrainingData,
+        device: torch.device,
+        *,
+        built: tuple[torch.nn.Module, torch.optim.Optimizer, Any] | None = None,
+    ) -> TrainingState:
+        """The initial training state on ``data``; ``built``: its model, optimizer and
+        scheduler, made already (:meth:`_build_model`, while the data loaded)."""
         cfg = self.config
-        model = build_model(cfg.to_dict()["model"]).to(device)
-        optimizer, scheduler = build_optimizer(cfg, model)
+        model, optimizer, scheduler = built or self._build_model(device)
         try:
             sampler = EpochSampler(len(data.train_labels), cfg.batch_size, cfg.seed)
         except ValueError as exc:
@@ -543,25 +616,113 @@ class Trainer:
             lr_scheduler=scheduler,
             data_manifest_sha256=data.manifest_sha256,
             snapshot_id=data.snapshot_id,
+            health=TrainingHealth(cfg.spikes),
         )
 
     def _loop(
         self, state: TrainingState, manager: CheckpointManager, data: TrainingData
     ) -> Outcome:
+        """The steps, timed per phase and watched for a hang; every rank's timing at the end."""
+        self._hang_fault = HangFault.from_env(self.world.world_size)
+        self._timer = StepTimer()
+        self._watchdog = Watchdog(self.config.watchdog, self._timer, self._end_hung)
+        try:
+            outcome = self._steps(state, manager, data)
+        except BaseException:
+            # The training thread woke up (a collective broke when a hung peer left) after its
+            # watchdog fired: that thread tells the story and ends the process, not this one.
+            self._watchdog.check_in()
+            raise
+        finally:
+            self._watchdog.stop()
+        if self.world.distributed and self.groups is not None:
+            # Every rank left the loop at the same step with nothing in flight: each one's
+            # timing reaches rank 0, which writes the receipt.
+            self._settle(manager)
+            self._step_timings = _gather_step_timings(self.groups, self._timer.summary())
+        return outcome
+
+    def _end_hung(self, stall: Stall) -> None:
+        """The watchdog fired (its thread): the receipt, then exit 81 (never returns)."""
+        world = self.world
+        devices = world.world_size if world.distributed else torch.cuda.device_count()
+        end_hung_attempt(
+            stall,
+            HangContext(
+                attempt=self.attempt,
+                world=world,
+                reporter=self.reporter,
+                timer=self._timer,
+                config=self.config.watchdog,
+                # The manager's: a background commit the stuck training thread never heard of.
+                last_checkpoint=lambda: (
+                    str(self._manager.last_committed.path)
+                    if self._manager is not None and self._manager.last_committed is not None
+                    else self.last_checkpoint_path
+                ),
+                started=self.started,
+                gpu_devices=devices if self.on_gpu else 0,
+                defer_end=bool(world.distributed and launched_here() and self.attempt.owns_attempt),
+                clocks=self._hung_clocks,
+            ),
+        )
+
+    def _hung_clocks(self) -> dict[str, Any]:
+        """What ``run_training`` would have written of the clocks, had the attempt ended there."""
+        now, looped = time.monotonic(), self.loop_started
+        clocks: dict[str, Any] = {}
+        if looped is not None:
+            clocks["setup_seconds"] = round(looped - self.started, 3)
+            clocks["training_seconds"] = round(now - looped, 3)
+        if split := self.startup.split(looped):
+            clocks["startup"] = split
+        return clocks
+
+    def step_timings(self) -> dict[str, Any]:
+        """The receipt's ``timings.steps``: each rank's median and p99 per phase, by rank."""
+        if self._step_timings:
+            return self._step_timings
+        summary = self._timer.summary() if self._timer is not None else {}
+        return {str(self.world.rank): summary} if summary else {}
+
+    def _steps(
+        self, state: TrainingState, manager: CheckpointManager, data: TrainingData
+    ) -> Outcome:
         cfg = self.config
+        timer, watchdog = self._timer, self._watchdog
+        assert timer is not None and watchdog is not None
         first_step = state.step
         _fault_oom_above_batch(cfg.batch_size)
         window_start, window_steps = time.monotonic(), 0
         self.loop_started = window_start
         while state.step < cfg.max_steps:
-            loss = train_step(state, data, world=self.world, forward=self._forward)
+            timer.begin(state.step + 1)
+            health = _health_of(state)
+            loss = train_step(
+                state,
+                data,
+                world=self.world,
+                forward=self._forward,
+                health=health,
+                timer=timer,
+                fault=self._hang_fault,
+            )
             state.step += 1
             self.step = state.step
+            self.startup.stepped()  # the first step ends the start-up (timings.startup)
             window_steps += 1
-            manager.poll()  # a background save that failed stops the attempt here
+            with watchdog.suspended():  # a commit the background writer made reaches the ledger
+                manager.poll()  # a background save that failed stops the attempt here
             if not math.isfinite(loss):
                 self._settle(manager)
                 return self._diverged(loss, state.step)
+            spike = health.take_pending() if health is not None else None
+            if spike is not None:
+                stopped = self._act_on_spike(spike, state, manager)
+                if stopped is not None:
+                    return stopped
+                if state.step < spike.step:
+                    continue  # rolled back: the steps since that checkpoint are trained again
             if state.step % cfg.log_every_steps == 0 or state.step == cfg.max_steps:
                 now = time.monotonic()
                 window_rate = round(
@@ -572,10 +733,14 @@ class Trainer:
                         "run_id": self.attempt.run_id,
                         "attempt_no": self.attempt.attempt_no,
                         "step": state.step,
+                        "max_steps": cfg.max_steps,
                         "loss": loss,
                         "lr": state.optimizer.param_groups[0]["lr"],
                         "epoch": state.data_cursor.epoch,  # type: ignore[attr-defined]
                         "examples_per_second": window_rate,
+                        # This rank's seconds per phase, means over the steps since the last
+                        # message: data, compute, collective, save_stall, total.
+                        "timing": timer.window_means(),
                     }
                 )
                 window_start, window_steps = now, 0
@@ -588,8 +753,13 @@ class Trainer:
                             "examples_per_second": window_rate,
                         },
                     )
-            self.attempt.heartbeat(state.step)
-            _fault_sleep_after_step(state.step, self.stop, self.attempt)
+            # The ledger retries for up to a minute while its server restarts: not a hang.
+            with watchdog.suspended():
+                self.attempt.heartbeat(state.step)
+            # A drill's pause is no stall: it is neither counted against the watchdog (the
+            # clock restarts after it) nor in the step's time.
+            with watchdog.suspended(), timer.paused():
+                _fault_sleep_after_step(state.step, self.stop, self.attempt)
             timed_out = (
                 cfg.max_wall_seconds is not None
                 and time.monotonic() - self.started >= cfg.max_wall_seconds
@@ -601,9 +771,10 @@ class Trainer:
             if self.world.distributed:
                 # Every rank saves and stops at the same step: a signal or the clock may
                 # reach the ranks at different moments.
-                requested, timed_out = _agree_to_stop(
-                    requested, timed_out, self.world, step=state.step
-                )
+                with timer.phase("collective", "agreeing when to stop"):
+                    requested, timed_out = _agree_to_stop(
+                        requested, timed_out, self.world, step=state.step
+                    )
                 if requested and not self.stop.requested:
                     self.stop.from_peer = True
             last = state.step >= cfg.max_steps
@@ -611,8 +782,14 @@ class Trainer:
             if manager.should_save(state.step) or stopping:
                 # The final and the preemption checkpoint are committed before we go on.
                 self._stop_save_step = state.step if requested else None
-                self._save(state, manager, data, loss, wait=stopping or not cfg.async_save)
+                # A save is progress: it has its own limits (the checkpoint group's timeout,
+                # the grace period), so the watchdog waits it out; its time is the save stall.
+                with timer.phase("save", "saving a checkpoint"), watchdog.suspended():
+                    self._save(state, manager, data, loss, wait=stopping or not cfg.async_save)
                 self._stop_save_step = None
+            timer.end()
+            watchdog.arm()  # from the first finished step: start-up and restore are not steps
+            watchdog.check_in()
             if last:
                 break
             if requested:
@@ -754,18 +931,115 @@ class Trainer:
             exception=exc,
         )
 
-    def _diverged(self, loss: float, step: int) -> Outcome:
+    def _diverged(self, loss: float, step: int, *, spike: HealthEvent | None = None) -> Outcome:
         where = (
             f"the last committed checkpoint is step {self.last_checkpoint.step}"
             if self.last_checkpoint
             else "no checkpoint was committed"
         )
+        what = f"Loss became {loss} at step {step}"
+        if spike is not None:
+            why = spike.why or "spikes.action is stop"
+            what = f"Loss spike: {spike_words(spike.to_json())}; {why}"
         return Outcome(
             TerminationReason.DIVERGED,
             exit_codes.DIVERGED,
-            f"Loss became {loss} at step {step}; stopped without saving, {where}.",
+            f"{what}; stopped without saving, {where}.",
             step=step,
         )
+
+    def _act_on_spike(
+        self, spike: Spike, state: TrainingState, manager: CheckpointManager
+    ) -> Outcome | None:
+        """Do what ``spike`` calls for (train_step already left its update out); an outcome
+        when the attempt stops. Every rank takes the same branch: the verdict was reached
+        from the global loss and the gradient norm DDP synchronised."""
+        from contextlib import nullcontext
+
+        health = _health_of(state)
+        assert health is not None
+        number, cfg = self.attempt.attempt_no, self.config.spikes
+        if spike.action == "stop":
+            event = health.record(spike, attempt_no=number)
+            self._spike_seen(event, health)
+            self._settle(manager)
+            return self._diverged(spike.judgement.value, spike.step, spike=event)
+        skipped = (spike.batch, spike.batch)
+        why = None
+        if spike.action == "rollback":
+            first = max(1, spike.batch - cfg.skip_batches_before)
+            last = spike.batch + cfg.skip_batches_after
+            # No checkpoint after the step before the first skipped batch: its cursor has dealt
+            # none of them (batch numbers never fall behind steps), so skipping them is real.
+            bound = spike.step - 1 - cfg.skip_batches_before
+            # A restore is progress, not a hang: the watchdog waits it out.
+            suspended = self._watchdog.suspended() if self._watchdog else nullcontext()
+            try:
+                with suspended, health.history_kept():
+                    target = manager.rollback(state, at_most_step=bound) if bound > 0 else None
+            except RestoreDivergedError as exc:
+                event = health.record(
+                    spike,
+                    attempt_no=number,
+                    action="stop",
+                    why=f"the rollback found no checkpoint that restores ({exc})",
+                )
+                self._spike_seen(event, health)
+                return self._diverged(spike.judgement.value, spike.step, spike=event)
+            if target is not None:
+                state.data_cursor.skip_batches(first, last)  # type: ignore[attr-defined]
+                event = health.record(
+                    spike,
+                    attempt_no=number,
+                    skipped_batches=(first, last),
+                    rolled_back_to={"step": target.step, "path": str(target.path)},
+                )
+                if self.world.leader:
+                    manager.retire_newer_than(
+                        target,
+                        f"rolled back past it to step {target.step} after a loss spike at "
+                        f"step {spike.step} (batches {first}-{last} skipped)",
+                    )
+                self.step, self.last_checkpoint = state.step, target
+                self._spike_seen(event, health)
+                manager.protect_through(health.clean_through())
+                return None
+            why = (
+                f"no committed checkpoint at or before step {max(bound, 0)} to roll back to: "
+                "the update was skipped instead"
+            )
+        event = health.record(
+            spike, attempt_no=number, action="skip", skipped_batches=skipped, why=why
+        )
+        self._spike_seen(event, health)
+        manager.protect_through(health.clean_through())
+        return None
+
+    def _spike_seen(self, event: HealthEvent, health: TrainingHealth) -> None:
+        """Tell it now: a warning event (Pipes or stdout) and the attempt's health record."""
+        self.reporter.event(
+            "spike",
+            {
+                "run_id": self.attempt.run_id,
+                "attempt_no": self.attempt.attempt_no,
+                **event.to_json(),
+                "spikes": health.spikes,
+                "max_spikes": self.config.spikes.max_spikes,
+            },
+            level="warning",
+        )
+        self._record_health(health)
+
+    def _record_health(self, health: TrainingHealth | None) -> None:
+        """The attempt's ``health`` in the ledger: the settings and the history so far (the
+        restored checkpoint's included), rewritten whole at each event."""
+        ledger, number = self.attempt.ledger, self.attempt.attempt_no
+        if health is None or ledger is None or number is None or not self.world.leader:
+            return
+        try:
+            ledger.set_attempt_health(self.attempt.run_id, number, health.provenance())
+        except Exception as exc:  # a receipt detail; never worth failing the attempt over
+            self.reporter.event("ledger_unreachable", {"error": str(exc)[:500]}, "warning")
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
@@ -800,17 +1074,34 @@ def train_step(
     *,
     world: World | None = None,
     forward: torch.nn.Module | None = None,
+    health: TrainingHealth | None = None,
+    timer: StepTimer | None = None,
+    fault: HangFault | None = None,
 ) -> float:
     """One optimizer step on the next batch of the data cursor; returns the (global) loss.
 
     Distributed: every rank draws the same global batch from the cursor (so the cursor, and
     the data position a checkpoint records, do not depend on the world size) and trains on
     its own slice; DDP (``forward``) averages the gradients, and the loss is averaged too.
+
+    With ``health``, the step is judged after backward and before the update (zero_grad,
+    forward, backward, global loss and gradient norm, verdict, then ``optimizer.step``): a
+    spike's update is left out, and the verdict is left in ``health.pending`` for the loop.
+
+    ``timer`` is told each phase as the step enters it (data, compute, collective); ``fault``
+    is the drill's hang hook (``TRACKS_FAULT_HANG_AT_STEP``).
     """
-    indices = state.data_cursor.next_indices()  # type: ignore[attr-defined]
+    step, world_ = state.step + 1, world or World()
+    _now_in(timer, "data", "loading the batch")
+    if fault is not None:
+        fault.hang_if_due(step, world_, "data")
+    cursor = state.data_cursor
+    indices = cursor.next_indices()  # type: ignore[attr-defined]
     if world is not None and world.distributed:
         indices = indices[world.rank :: world.world_size]
     images, labels = data.train_images[indices], data.train_labels[indices]
+    images = _fault_spike_batch(images, cursor.dealt)  # type: ignore[attr-defined]
+    _now_in(timer, "compute", _COMPUTE_WORDS[world_.distributed])
     state.optimizer.zero_grad(set_to_none=True)
     try:
         loss = F.cross_entropy((forward or state.model)(images), labels)
@@ -819,12 +1110,61 @@ def train_step(
         if world is not None and world.distributed and _is_collective_failure(exc):
             raise CollectiveError("averaging the gradients", world.rank, exc) from exc
         raise
-    state.optimizer.step()
+    if world is not None and world.distributed:
+        _now_in(timer, "collective", "averaging the loss")
+        value = _global_mean(loss.detach(), world)
+        if fault is not None:
+            fault.hang_if_due(step, world, "collective")
+        _now_in(timer, "compute", "judging the step and the optimizer's update")
+    else:
+        value = float(loss.item())
+    spike = None
+    if health is not None and health.config.enabled:
+        # DDP's backward left every rank the same averaged gradients, so the same norm: with
+        # the global loss, every rank reaches the same verdict without another collective.
+        spike = health.judge(
+            step=state.step + 1,
+            batch=cursor.dealt,  # type: ignore[attr-defined]
+            loss=value,
+            grad_norm=_grad_norm(state.model),
+        )
+        health.pending = spike
+    if spike is None:
+        state.optimizer.step()
+    # A skipped update is still a step: the schedule follows the step count, as max_steps does.
     if state.lr_scheduler is not None:
         state.lr_scheduler.step()
-    if world is not None and world.distributed:
-        return _global_mean(loss.detach(), world)
-    return float(loss.item())
+    _now_in(timer, BETWEEN, "between the parts of the step")
+    return value
+
+
+# The compute phase in words, without and with DDP (whose gradient all-reduce runs, overlapped,
+# inside backward: compute here, never "collective").
+_COMPUTE_WORDS = {
+    False: "forward, backward and the optimizer's update",
+    True: "forward and backward, where DDP averages the gradients with the other ranks",
+}
+
+
+def _now_in(timer: StepTimer | None, phase: str, what: str) -> None:
+    if timer is not None:
+        timer.switch(phase, what)
+
+
+def _grad_norm(model: torch.nn.Module) -> float:
+    """The global L2 norm of the gradients (0.0 when there are none), in one fixed order."""
+    norms = [
+        torch.linalg.vector_norm(p.grad.detach(), 2.0)
+        for p in model.parameters()
+        if p.grad is not None
+    ]
+    if not norms:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(norms), 2.0).item())
+
+
+def _health_of(state: TrainingState) -> TrainingHealth | None:
+    return state.health if isinstance(state.health, TrainingHealth) else None
 
 
 def _is_collective_failure(exc: RuntimeError) -> bool:
@@ -848,6 +1188,22 @@ def _global_mean(loss: torch.Tensor, world: World) -> float:
     except Exception as exc:
         raise CollectiveError("averaging the loss", world.rank, exc) from exc
     return float(total.item()) / world.world_size
+
+
+def _gather_step_timings(groups: Groups, summary: dict[str, Any]) -> dict[str, Any] | None:
+    """Every rank's step-timing summary, by rank (on every rank), over the checkpoint group.
+
+    None when a peer did not answer: the receipt then carries this rank's own, and the loop's
+    outcome stands (it was decided before).
+    """
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * groups.world.world_size
+    try:
+        dist.all_gather_object(gathered, summary, group=groups.checkpoint)
+    except Exception:
+        return None
+    return {str(rank): said for rank, said in enumerate(gathered) if said}
 
 
 def _agree_to_stop(
@@ -974,6 +1330,24 @@ def _fault_oom_above_batch(batch_size: int) -> None:
         raise torch.OutOfMemoryError(
             f"injected by {FAULT_OOM_ABOVE_BATCH}={limit}: batch {batch_size} does not fit"
         )
+
+
+@functools.cache
+def _spike_batches(spec: str) -> frozenset[int]:
+    try:
+        return frozenset(int(part) for part in spec.split(",") if part.strip())
+    except ValueError as exc:
+        raise ConfigError(
+            FAULT_SPIKE_BATCHES, None, f"{spec!r} is not a comma-separated list of batch numbers"
+        ) from exc
+
+
+def _fault_spike_batch(images: torch.Tensor, batch: int) -> torch.Tensor:
+    spec = envvars.TRACKS_FAULT_SPIKE_BATCHES.get()
+    if not spec or batch not in _spike_batches(spec):
+        return images
+    # A copy: the snapshot's tensors stay clean for every other step that draws them.
+    return images * 1e3
 
 
 def _fault_sleep_before_agreement(step: int, rank: int) -> None:
