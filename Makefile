@@ -14,6 +14,9 @@ $(BIN)/python:
 # requirements.lock pins every distribution (torch to the CPU build: an open torch
 # requirement would pull gigabytes of CUDA wheels).
 $(VENV)/.installed: pyproject.toml requirements.lock | $(BIN)/python
+	@echo "Installing the $$(grep -c '==' requirements.lock) locked distributions into $(VENV)" \
+		"(torch's CPU build, Dagster, MLflow, Great Expectations; 2.3 GB installed):" \
+		"a few minutes the first time, nothing after that."
 	$(BIN)/pip install --quiet -c requirements.lock -e '.[test]'
 	touch $@
 
@@ -46,9 +49,14 @@ mlflow-ui: install
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(TRACKS_HOME)/mlflow.db \
 		--default-artifact-root $(TRACKS_HOME)/mlartifacts -h 127.0.0.1 -p 5000
 
+# DAGSTER_HOME is $(TRACKS_HOME)/dagster, where `tracks instance init` writes dagster.yaml (and
+# where `make demo` keeps its runs, so they show in the UI). Dagster 1.13 marks `dagster dev`
+# superseded by `dg dev` (the dagster-dg-cli package, which Tracks does not need) and warns on
+# every start; that one warning is filtered by its words, nothing else.
 dev: install
 	$(BIN)/tracks instance init
-	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+	PYTHONWARNINGS='ignore:Function `dev_command` is superseded:FutureWarning' \
+		$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 # Wheels for bench/gpu_checks.sh on a GPU machine whose image has torch but not Tracks' other
 # needs (bench/gpu_wheels.txt), for its Python (GPU_PYTHON_VERSION) and x86-64 Linux.

@@ -6,13 +6,30 @@ from typing import Any
 
 import dagster as dg
 
-from assets.partitions import snapshot_partitions
+from assets.partitions import ASSET_GROUP, snapshot_partitions
 from assets.tables import table
 from resources import LedgerResource, StorageResource
 
 SCHEMA_CONTRACT = "schema_contract"
 DATA_QUALITY = "data_quality"
 DRIFT_VS_PREVIOUS = "drift_vs_previous"
+LANDING_FILES = "landing_files"
+
+
+def landing_files_spec(landing_root: Path) -> dg.AssetSpec:
+    """The landing folder's Parquet files: what ``data_snapshot`` copies. Tracks reads them and
+    never writes them (``tracks landing`` and upstream systems do), so they are an external
+    asset: drawn in the graph, upstream of data_snapshot, never materialized by Dagster."""
+    return dg.AssetSpec(
+        LANDING_FILES,
+        group_name=ASSET_GROUP,
+        kinds={"parquet"},
+        description=(
+            "Parquet files dropped into the landing folder (`tracks landing`, upstream "
+            "systems); data_snapshot copies them, as they are, into an immutable snapshot."
+        ),
+        metadata={"landing_folder": dg.MetadataValue.path(str(landing_root))},
+    )
 
 
 class SnapshotConfig(dg.Config):
@@ -65,7 +82,8 @@ def _baseline(storage: StorageResource, current_id: str, ledger: Any) -> Any:
 
 @dg.asset(
     partitions_def=snapshot_partitions,
-    group_name="data",
+    deps=[LANDING_FILES],
+    group_name=ASSET_GROUP,
     kinds={"parquet"},
     description="An immutable, content-addressed copy of the landing files with manifest.json.",
     check_specs=[

@@ -11,16 +11,22 @@ import dagster as dg
 
 from assets.failures import step_failure
 from assets.lineage import upstream_metadata
-from assets.partitions import snapshot_partitions
-from assets.tables import metric_cells, metric_columns, table
-from pipeline.plots import confusion_matrix_markdown
+from assets.links import mlflow_evaluation_links
+from assets.partitions import ASSET_GROUP, snapshot_partitions
+from assets.tables import (
+    COUNT_METRICS,
+    confusion_matrix_table,
+    metric_cells,
+    metric_columns,
+    table,
+)
 from resources import LedgerResource, MlflowResource, StorageResource, core_settings
 
 
 @dg.asset(
     partitions_def=snapshot_partitions,
     deps=["committed_checkpoint"],
-    group_name="evaluation",
+    group_name=ASSET_GROUP,
     kinds={"mlflow"},
     description="Evaluator results for exactly one committed checkpoint, logged to MLflow.",
 )
@@ -32,6 +38,7 @@ def evaluation(
 ) -> dg.MaterializeResult:
     from pipeline.data.snapshot import open_snapshot
     from pipeline.evaluation import EVALUATORS, EvaluatorCrashError, run_evaluation
+    from pipeline.explain import explain
     from pipeline.retry import RetryAction, decide_evaluation, policy_for_run
     from pipeline.states import EvaluationStatus
 
@@ -93,16 +100,22 @@ def evaluation(
         "results": results_table(records),
     }
     for r in records:
+        # A score is worth plotting over snapshots; a count of examples is in ``results``.
         for key, value in (r.metrics or {}).items():
-            metadata[f"{r.evaluator_name}/{key}"] = float(value)
+            if key not in COUNT_METRICS:
+                metadata[f"{r.evaluator_name}/{key}"] = float(value)
+    metadata |= mlflow_evaluation_links(mlflow, records)
+    for r in records:
         if r.slice_metrics:
             metadata[f"{r.evaluator_name}/slices"] = slices_table(r)
         matrix = _confusion_matrix(r)
         if matrix is not None:
             labels = list(range(len(matrix)))
-            metadata[f"{r.evaluator_name}/confusion_matrix"] = dg.MetadataValue.md(
-                confusion_matrix_markdown(matrix, labels)
+            metadata[f"{r.evaluator_name}/confusion_matrix"] = confusion_matrix_table(
+                matrix, labels
             )
+    # The run's page now that its evaluations are recorded (training_attempt's predates them).
+    metadata["explain"] = dg.MetadataValue.md(explain(book, checkpoint["run_id"]))
     return dg.MaterializeResult(metadata=metadata)
 
 

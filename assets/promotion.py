@@ -7,8 +7,9 @@ import dagster as dg
 
 from assets.failures import step_failure
 from assets.lineage import upstream_metadata
-from assets.partitions import snapshot_partitions
-from assets.tables import table
+from assets.links import mlflow_model_version_link, mlflow_training_link
+from assets.partitions import ASSET_GROUP, snapshot_partitions
+from assets.tables import fields_table, table
 from resources import LedgerResource, MlflowResource, StorageResource, core_settings
 
 
@@ -19,7 +20,7 @@ class PromotionConfig(dg.Config):
 @dg.asset(
     partitions_def=snapshot_partitions,
     deps=["evaluation"],
-    group_name="promotion",
+    group_name=ASSET_GROUP,
     kinds={"mlflow"},
     description=(
         "Registers the checkpoint as an MLflow model version and moves the `champion` alias, "
@@ -34,6 +35,7 @@ def promoted_model(
     mlflow: MlflowResource,
 ) -> dg.MaterializeResult:
     from pipeline import ids
+    from pipeline.explain import explain
     from pipeline.promotion import promote
     from pipeline.states import PromotionDecision
 
@@ -53,38 +55,61 @@ def promoted_model(
         dagster_run_id=context.run_id,
     )
     metadata = promotion_metadata(decision)
-    if decision.decision != PromotionDecision.PROMOTED:
+    metadata |= mlflow_model_version_link(mlflow, decision.model_name, decision.model_version)
+    metadata |= mlflow_training_link(mlflow, decision.run_id)
+    # The run's page once the decision is recorded: the last chapter, on the asset a person
+    # looks at last.
+    metadata["explain"] = dg.MetadataValue.md(explain(ledger.ledger(), decision.run_id))
+    if decision.decision == PromotionDecision.REFUSED:
         # The refusal is already in the ledger; failing the step makes the run say why.
         raise dg.Failure(
             description=f"promotion refused: {decision.reason}",
             metadata=metadata,
             allow_retries=False,
         )
-    context.log.info(f"{decision.model_name} version {decision.model_version} is now champion")
+    if decision.decision == PromotionDecision.PROMOTED:
+        context.log.info(f"{decision.model_name} version {decision.model_version} is now champion")
+    else:  # recorded, and not a refusal (a candidate identical to the champion, say)
+        context.log.info(f"{decision.decision}: {decision.reason}")
     return dg.MaterializeResult(metadata=metadata)
 
 
 def promotion_metadata(decision: Any) -> dict[str, Any]:
-    """The materialization's metadata for a promotion record, refused or promoted."""
+    """The materialization's metadata for a promotion record, refused or promoted.
+
+    Every number of the gate is in a table: each rule a row of ``gate_rules``, the paired
+    headline comparison's fields in ``headline_comparison``, the rest of what the gate recorded
+    (its settings, the evaluations it counted) in ``gate``.
+    """
+    gate = decision.gate or {}
     return {
-        "promotion_id": decision.promotion_id,
         "decision": str(decision.decision),
         "reason": dg.MetadataValue.text(decision.reason),
+        "decision_against_champion": dg.MetadataValue.md(_decision_markdown(decision)),
         "model_name": decision.model_name,
         "model_version": decision.model_version or "none",
         "previous_champion_version": decision.previous_champion_version or "none",
+        "promotion_id": decision.promotion_id,
         "run_id": decision.run_id,
-        "attempt_no": decision.attempt_no,
+        "attempt_no": dg.MetadataValue.text(str(decision.attempt_no)),
         "checkpoint_manifest_sha256": decision.checkpoint_manifest_sha256,
         "evaluation_ids": dg.MetadataValue.json(list(decision.evaluation_ids)),
-        "gate": dg.MetadataValue.json(decision.gate),
-        # The paired comparison of the headline metric with the champion, every number in it.
-        "headline_comparison": dg.MetadataValue.json(
-            (decision.gate or {}).get("headline_comparison") or {}
-        ),
-        "decision_against_champion": dg.MetadataValue.md(_decision_markdown(decision)),
         "gate_rules": gate_rules_table(decision),
+        "headline_comparison": fields_table(
+            "headline_comparison",
+            gate.get("headline_comparison") or {"compared": False},
+            "as the gate recorded the paired comparison with the champion",
+        ),
+        "gate": fields_table(
+            "gate",
+            {k: v for k, v in gate.items() if k not in _IN_OTHER_TABLES},
+            "as the gate recorded it (rules: gate_rules; headline: headline_comparison)",
+        ),
     }
+
+
+# Parts of the gate record shown by their own tables.
+_IN_OTHER_TABLES = frozenset({"thresholds", "slice_comparisons", "headline_comparison"})
 
 
 def _decision_markdown(decision: Any) -> str:

@@ -6,6 +6,7 @@ them), and its schema names each column's type and, where the name is not enough
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -123,3 +124,149 @@ def checkpoint_lineage_table(checkpoints: Sequence[Any]) -> dg.TableMetadataValu
 
 def _whole(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and float(value).is_integer()
+
+
+def _cell(value: Any) -> Cell:
+    """A scalar stays itself; a list (or an empty mapping) becomes its compact JSON."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def flat_items(values: Mapping[str, Any], prefix: str = "") -> dict[str, Cell]:
+    """Nested mappings as one level of dotted keys (``budget_left.attempts``), in order."""
+    flat: dict[str, Cell] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping) and value:
+            flat |= flat_items(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = _cell(value)
+    return flat
+
+
+def fields_table(name: str, values: Mapping[str, Any], description: str) -> dg.TableMetadataValue:
+    """A record as rows of ``field`` and ``value`` (nested fields dotted), as it was written."""
+    columns = [
+        dg.TableColumn("field", "string"),
+        dg.TableColumn("value", "string", description),
+    ]
+    return table(name, columns, [{"field": k, "value": v} for k, v in flat_items(values).items()])
+
+
+def _shown(value: Cell) -> str | None:
+    # One column holds strings, numbers and booleans: shown as the config file would hold them.
+    return None if value is None else value if isinstance(value, str) else json.dumps(value)
+
+
+def config_table(
+    config: Mapping[str, Any], previous: Mapping[str, Any] | None
+) -> dg.TableMetadataValue:
+    """Every key of ``config`` (dotted) beside its value in ``previous``, the changed ones first.
+
+    Without a ``previous`` config the ``previous`` and ``changed`` columns are empty: nothing
+    was compared, which is not the same as nothing changed.
+    """
+    now, before = flat_items(config), flat_items(previous or {})
+    keys = list(now) + [k for k in before if k not in now]
+    changed = [k for k in keys if previous is not None and now.get(k) != before.get(k)]
+    columns = [
+        dg.TableColumn("key", "string", "dotted path in the trainer config"),
+        dg.TableColumn("value", "string", "what this attempt trained with; empty: not set"),
+        dg.TableColumn("previous", "string", "the same key in config_compared_with"),
+        dg.TableColumn("changed", "bool", "differs from config_compared_with; empty: none"),
+    ]
+    rows = [
+        {
+            "key": key,
+            "value": _shown(now.get(key)),
+            "previous": _shown(before.get(key)) if previous is not None else None,
+            "changed": key in changed if previous is not None else None,
+        }
+        for key in [*changed, *(k for k in keys if k not in changed)]
+    ]
+    return table("config", columns, rows)
+
+
+def commits_table(
+    commits: Sequence[Mapping[str, Any]], checkpoints: Sequence[Any]
+) -> dg.TableMetadataValue:
+    """One row per checkpoint this attempt committed (the trainer's reports, in order), with
+    the metrics the ledger recorded for it."""
+    recorded = {str(c.path): c.metrics for c in checkpoints}
+    metrics = metric_columns(
+        (recorded.get(str(c.get("path"))) for c in commits),
+        "recorded with the checkpoint when it was committed; empty where it has none",
+    )
+    columns = [
+        dg.TableColumn("step", "int", "global step the checkpoint holds"),
+        dg.TableColumn("path", "string", "the checkpoint's folder"),
+        dg.TableColumn(
+            "stall_seconds", "float", "seconds training waited for the commit; empty: not reported"
+        ),
+        *metrics,
+    ]
+    rows = [
+        {
+            "step": int(c["step"]),
+            "path": str(c.get("path")),
+            "stall_seconds": None if c.get("stall_seconds") is None else float(c["stall_seconds"]),
+            **metric_cells(recorded.get(str(c.get("path"))), metrics),
+        }
+        for c in commits
+        if "step" in c
+    ]
+    return table("checkpoints_committed", columns, rows)
+
+
+LOSS_TABLE_ROWS = 10
+
+
+def loss_table(steps: Sequence[Mapping[str, Any]]) -> dg.TableMetadataValue:
+    """The trainer's step reports, ``LOSS_TABLE_ROWS`` of them spread evenly (first and last
+    kept): the loss curve's numbers, which a log row shows where it shows no picture."""
+    from pipeline.plots import evenly
+
+    reported = [s for s in steps if s.get("loss") is not None]
+    columns = [
+        dg.TableColumn("step", "int", "global step"),
+        dg.TableColumn("loss", "float", "training loss the trainer reported at that step"),
+        dg.TableColumn("lr", "float", "learning rate; empty: not reported"),
+        dg.TableColumn("examples_per_second", "float", "throughput; empty: not reported"),
+    ]
+
+    def number(value: Any) -> float | None:
+        return None if value is None or not math.isfinite(float(value)) else float(value)
+
+    rows = [
+        {
+            "step": int(s["step"]),
+            "loss": number(s["loss"]),
+            "lr": number(s.get("lr")),
+            "examples_per_second": number(s.get("examples_per_second")),
+        }
+        for s in evenly(reported, LOSS_TABLE_ROWS)
+    ]
+    return table("loss_by_step", columns, rows)
+
+
+def confusion_matrix_table(
+    matrix: Sequence[Sequence[int]], labels: Sequence[Any]
+) -> dg.TableMetadataValue:
+    """Rows are the true label, one column per predicted label; ``correct`` is the diagonal."""
+    predicted = [str(label) for label in labels]
+    columns = [
+        dg.TableColumn("label", "string", "the true label"),
+        *(dg.TableColumn(p, "int", f"examples of this label predicted as {p}") for p in predicted),
+        dg.TableColumn("correct", "int", "the diagonal: examples predicted as their label"),
+        dg.TableColumn("examples", "int", "examples of this label"),
+    ]
+    rows = [
+        {
+            "label": str(label),
+            **{p: int(v) for p, v in zip(predicted, row, strict=True)},
+            "correct": int(row[i]),
+            "examples": int(sum(row)),
+        }
+        for i, (label, row) in enumerate(zip(labels, matrix, strict=True))
+    ]
+    return table("confusion_matrix", columns, rows)

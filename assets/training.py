@@ -1,5 +1,6 @@
 """``training_attempt`` runs the trainer through Pipes; ``committed_checkpoint`` verifies it."""
 
+import math
 import resource
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,8 +12,15 @@ from dagster._core.errors import DagsterExecutionInterruptedError
 from assets.failures import step_failure
 from assets.launch import CONTINUATION_TAG, launched_by, trainer_config_source
 from assets.lineage import upstream_metadata
-from assets.partitions import snapshot_partitions
-from assets.tables import checkpoint_lineage_table
+from assets.links import mlflow_training_link
+from assets.partitions import ASSET_GROUP, snapshot_partitions
+from assets.tables import (
+    checkpoint_lineage_table,
+    commits_table,
+    config_table,
+    fields_table,
+    loss_table,
+)
 from assets.training_config import (
     SOURCE,
     TRAINING_ATTEMPT_CONFIG,
@@ -113,7 +121,7 @@ def _children_cpu_seconds() -> float:
 @dg.asset(
     partitions_def=snapshot_partitions,
     deps=["data_snapshot"],
-    group_name="training",
+    group_name=ASSET_GROUP,
     kinds={"pytorch"},
     description="One attempt of a training run: the trainer process, launched through Pipes.",
     config_schema=TRAINING_ATTEMPT_CONFIG,
@@ -137,7 +145,7 @@ def training_attempt(
     from pipeline.explain import explain
     from pipeline.launch_facts import contradicted_tags
     from pipeline.ledger import LedgerError
-    from pipeline.plots import loss_curve_markdown
+    from pipeline.plots import loss_curve_markdown, loss_sparkline
     from pipeline.reasons import launcher_failed
     from pipeline.retry import RetryPolicyError, load_retry_policy
     from pipeline.tracking import mirror_attempt
@@ -204,6 +212,7 @@ def training_attempt(
             retry_policy=policy,
             dagster_run_id=context.run_id,
             launched_by=launch,
+            note=config.note,  # the launch-time note, on this attempt, by who launched it
         )
     except ids.InvalidIdError as exc:  # model_family or run_id
         raise step_failure(f"{SOURCE}: {exc}", exc) from None
@@ -285,23 +294,35 @@ def training_attempt(
         if unmirrored:
             context.log.warning(unmirrored)
 
-    story = dg.MetadataValue.md(explain(book, attempt.key))
+    # The run's page as it stands when this attempt ends: evaluation and promotion come later,
+    # and the assets that record them (evaluation, promoted_model) attach the page again then.
+    story = dg.MetadataValue.md(
+        f"*The run as it stood when attempt {attempt.attempt_no} ended; `evaluation` and "
+        "`promoted_model` attach this page again once they are recorded.*\n\n"
+        + explain(book, attempt.key)
+    )
+    # Numbers only where a plot over materializations means something (losses, throughput):
+    # an attempt number or a step is an identifier, so it is text.
     metadata: dict[str, Any] = {
         "run_id": run.run_id,
-        "attempt_no": attempt.attempt_no,
+        "attempt_no": dg.MetadataValue.text(str(attempt.attempt_no)),
         "termination_reason": str(finished.termination.reason),
         "termination_detail": finished.termination.detail,
-        "retry_decision": dg.MetadataValue.json(finished.decision.to_json()),
         "explain": story,
+        **mlflow_training_link(mlflow, run.run_id),
     }
     if contradicted:
         metadata["tags_contradicted"] = dg.MetadataValue.text(contradicted)
+    decision_table = fields_table(
+        "retry_decision", finished.decision.to_json(), "as the retry policy recorded it"
+    )
     if not finished.succeeded:
         decision = finished.decision
         description = (
             f"attempt {attempt.key} ended {finished.termination.reason}: "
             f"{finished.termination.detail} Next: {decision.action} ({decision.reason})"
         )
+        metadata["retry_decision"] = decision_table
         # One owner per failure: the resume sensor continues the run (resume, retry after its
         # backoff, rollback) as the decision says; Dagster itself never retries this step.
         raise dg.Failure(description=description, metadata=metadata, allow_retries=False)
@@ -309,39 +330,66 @@ def training_attempt(
     steps = _messages(outcome, "step") if outcome else []
     # The receipt, not the plan: where the trainer reported it resumed from.
     resumed_from = finished.attempt.resumed_from_checkpoint
+    restored = finished.attempt.restored_step
     commits = _messages(outcome, "checkpoint_committed") if outcome else []
+    checkpoints = book.checkpoints(run.run_id)
+    if steps:
+        metadata |= {
+            "loss_curve": dg.MetadataValue.md(
+                loss_curve_markdown(
+                    steps,
+                    [int(c["step"]) for c in commits if "step" in c],
+                    title=f"loss, attempt {attempt.attempt_no}",
+                )
+            ),
+            "loss": dg.MetadataValue.text(loss_sparkline(steps)),
+            "first_loss": float(steps[0]["loss"]),
+            "final_loss": float(steps[-1]["loss"]),
+            "examples_per_second": float(steps[-1].get("examples_per_second", 0.0)),
+            "loss_by_step": loss_table(steps),
+        }
+    previous, compared_with = _previous_config(book, run, attempt.attempt_no)
     metadata |= {
+        "checkpoints_committed": commits_table(commits, checkpoints),
+        "checkpoint_lineage": checkpoint_lineage_table(checkpoints),
+        "config": config_table(prepared.train_config.to_dict(), previous),
+        "config_compared_with": dg.MetadataValue.text(compared_with),
+        "retry_decision": decision_table,
         "config_sha256": prepared.train_config.sha256(),
         "snapshot_id": snapshot.snapshot_id,
         "data_manifest_sha256": snapshot.manifest_sha256,
         "resumed_from_checkpoint": resumed_from or "none",
-        "restored_step": finished.attempt.restored_step
-        if finished.attempt.restored_step is not None
-        else "unknown",
-        "checkpoints_committed": dg.MetadataValue.json(
-            [{k: c[k] for k in ("step", "path", "stall_seconds") if k in c} for c in commits]
+        "restored_step": dg.MetadataValue.text(
+            str(restored) if restored is not None else "unknown"
         ),
-        "config": dg.MetadataValue.json(prepared.train_config.to_dict()),
     }
-    if steps:
-        metadata["first_loss"] = float(steps[0]["loss"])
-        metadata["final_loss"] = float(steps[-1]["loss"])
-        metadata["examples_per_second"] = float(steps[-1].get("examples_per_second", 0.0))
-        metadata["loss_curve"] = dg.MetadataValue.md(
-            loss_curve_markdown(
-                steps,
-                [int(c["step"]) for c in commits if "step" in c],
-                title=f"{run.run_id} attempt {attempt.attempt_no}",
-            )
-        )
-        metadata["checkpoint_lineage"] = checkpoint_lineage_table(book.checkpoints(run.run_id))
     return dg.MaterializeResult(metadata=metadata)
+
+
+def _previous_config(book: Any, run: Any, attempt_no: int) -> tuple[dict[str, Any] | None, str]:
+    """The config this attempt is best compared with, and which one it is, in words: the
+    previous attempt of the run, else the newest attempt of the family's previous run."""
+    if attempt_no > 1:
+        before = book.get_attempt(run.run_id, attempt_no - 1)
+        return dict(before.config_snapshot or {}), f"attempt {attempt_no - 1} of this run"
+    earlier = [
+        r
+        for r in book.find_runs(model_family=run.model_family, limit=20)
+        if r.run_id != run.run_id and r.created_at <= run.created_at
+    ]
+    for other in earlier:  # newest first
+        last = book.latest_attempt(other.run_id)
+        if last is not None and last.config_snapshot:
+            return dict(last.config_snapshot), (
+                f"run {other.run_id} (attempt {last.attempt_no}), the family's previous run"
+            )
+    return None, f"nothing: the first run of family {run.model_family}"
 
 
 @dg.asset(
     partitions_def=snapshot_partitions,
     deps=["training_attempt"],
-    group_name="training",
+    group_name=ASSET_GROUP,
     kinds={"safetensors"},
     description="The final committed checkpoint of the newest training run, verified on read.",
 )
@@ -376,18 +424,24 @@ def committed_checkpoint(
             "the run committed",
             allow_retries=False,
         )
-    lineage = [c.path for c in book.checkpoints(run_id)]
+    # The attempt and the step identify the checkpoint (text); its size and its metrics are
+    # what a plot over snapshots may compare (numbers).
+    metrics = {
+        f"metrics/{name}": float(value)
+        for name, value in sorted((checkpoint.metrics or {}).items())
+        if isinstance(value, int | float) and math.isfinite(value)
+    }
     return dg.MaterializeResult(
         metadata={
             "run_id": run_id,
-            "attempt_no": info.attempt_no,
-            "step": info.step,
+            "attempt_no": dg.MetadataValue.text(str(info.attempt_no)),
+            "step": dg.MetadataValue.text(str(info.step)),
             "path": dg.MetadataValue.path(str(path)),
             "manifest_sha256": info.manifest_sha256,
             "bytes": checkpoint.bytes or 0,
             "parent_checkpoint": checkpoint.parent_path or "none",
-            "metrics": dg.MetadataValue.json(checkpoint.metrics or {}),
-            "lineage": dg.MetadataValue.json(lineage),
+            **metrics,
+            "lineage": checkpoint_lineage_table(book.checkpoints(run_id)),
         },
         data_version=dg.DataVersion(info.manifest_sha256),
     )

@@ -1,7 +1,7 @@
 """The run config of ``training_attempt``: the run's identity and policy beside the trainer's
 whole :class:`~pipeline.trainer.config.TrainConfig`.
 
-``ops: {training_attempt: {config: {run_id, owner, purpose, retry_policy, train: {...}}}}``.
+``ops: {training_attempt: {config: {run_id, owner, purpose, retry_policy, note, train: {...}}}}``.
 ``train`` is generated from TrainConfig's dataclass fields (nested sections nested, each field's
 docstring its description in the Launchpad), never restated here. Every ``train`` key is optional
 and has no Dagster default: left out, a new run takes TrainConfig's default and a continued run
@@ -22,6 +22,7 @@ from typing import Any
 import dagster as dg
 
 from pipeline import ids
+from pipeline.ledger.notes import InvalidNoteError, note_text
 from pipeline.states import Purpose
 from pipeline.trainer.config import ConfigError, TrainConfig, field_docs
 
@@ -89,6 +90,12 @@ TRAINING_ATTEMPT_CONFIG: dict[str, dg.Field] = {
         description="Inline YAML with the retry policy (files are not read from run config); "
         "else the defaults.",
     ),
+    "note": dg.Field(
+        dg.Noneable(dg.String),
+        is_required=False,
+        description="Why this launch (a sentence or two, at most 2000 characters): recorded as "
+        "a note on the attempt, by who launched it, and shown by `tracks explain`.",
+    ),
     "train": dg.Field(
         dataclass_shape(TrainConfig, skip=NOT_IN_RUN_CONFIG),
         is_required=False,
@@ -109,6 +116,7 @@ class TrainingRunConfig:
     run_id: str | None = None
     retry_policy: str | None = None
     train: Mapping[str, Any] = field(default_factory=dict)
+    note: str | None = None  # the launch-time note, recorded on the attempt
 
 
 def train_config_for_attempt(
@@ -132,6 +140,11 @@ def train_config_for_attempt(
             "purpose",
             f"{config.purpose!r} is not one of {', '.join(str(p) for p in Purpose)}",
         )
+    if config.note is not None:
+        try:
+            note_text(config.note)
+        except InvalidNoteError as exc:
+            raise ConfigError(SOURCE, "note", exc.problem) from None
     train = dict(config.train)
     refused = sorted(NOT_IN_RUN_CONFIG & train.keys())
     if refused:

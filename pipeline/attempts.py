@@ -22,6 +22,7 @@ from pipeline.distributed.ranks import ranks_summary_path
 from pipeline.environment import code_commit, container_digest, placement
 from pipeline.fencing import newer_attempt
 from pipeline.ledger import AttemptRecord, AttemptStart, CheckpointRecord, Ledger, RunRecord
+from pipeline.ledger.notes import note_text
 from pipeline.reasons import (
     AttemptEvidence,
     ObservedEnding,
@@ -128,6 +129,7 @@ def prepare_attempt(
     retry_policy: RetryPolicy | None = None,
     dagster_run_id: str | None = None,
     launched_by: dict[str, Any] | None = None,
+    note: str | None = None,
 ) -> PreparedAttempt:
     """Create the run (or continue ``run_id``) and open the next attempt's receipt.
 
@@ -139,7 +141,13 @@ def prepare_attempt(
     Continuing a run first asks the retry policy about its last ended attempt with the config
     the new attempt would use, so an OOM retried with an unchanged batch is refused here,
     before any accelerator time is spent.
+
+    ``note`` (a launch-time description) becomes a note on the new attempt, by whoever
+    ``launched_by`` names (its user, else how it was launched), from source ``dagster launch
+    <dagster_run_id>``; a note the logbook refuses is refused before a run or attempt opens.
     """
+    if note is not None:
+        note = note_text(note)
     resolved = train_config.to_dict()
     if run_id is None:
         run = ledger.create_run(
@@ -180,6 +188,15 @@ def prepare_attempt(
             admission=admission,
         ),
     )
+    if note is not None:
+        launched = attempt.launched_by or {}
+        ledger.add_note(
+            run.run_id,
+            note,
+            attempt_no=attempt.attempt_no,
+            author=str(launched.get("user") or launched.get("via")),
+            source=f"dagster launch {dagster_run_id}" if dagster_run_id else "launch",
+        )
     return PreparedAttempt(
         run=run,
         attempt=attempt,

@@ -22,12 +22,19 @@ from pipeline.settings import TracksSettings
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 LOCAL_INSTANCE_YAML = """\
-# Written by `tracks instance init`: the embedded default instance (SQLite, local files).
-# For PostgreSQL, run `tracks instance init --postgres` (copies deploy/dagster-postgres.yaml).
+# Written by `tracks instance init` (and `make dev`, `tracks demo`, `tracks canary`): the
+# embedded default instance. Its storage is SQLite and local files in this folder (Dagster's
+# defaults). For PostgreSQL, run `tracks instance init --postgres` (copies
+# deploy/dagster-postgres.yaml).
 telemetry:
   enabled: false
+# One owner per failure: the resume sensor resumes preempted runs from their last committed
+# checkpoint, so Dagster's own run retries stay off.
 run_retries:
-  enabled: false  # the resume sensor owns retries of preempted runs
+  enabled: false
+sensors:
+  use_threads: true
+  num_workers: 2
 """
 
 
@@ -234,10 +241,14 @@ def demo(fresh_data: bool, nproc_per_node: int) -> None:
     from sensors import materialize_snapshot
 
     with dg.DagsterInstance.get() as dagster_instance:
-        run_config: dict = {}
+        # The terminal gets what the steps say (context.log at INFO: the trainer's progress,
+        # its checkpoints, the promotion), not Dagster's DEBUG line per step event, which an
+        # in-process run prints by default (its console logger's level). The run's event log
+        # in the UI still holds every event.
+        run_config: dict = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
         if nproc_per_node > 1:
             trainer = {"backend": "torchrun", "nproc_per_node": nproc_per_node}
-            run_config = {"resources": {"trainer": {"config": trainer}}}
+            run_config["resources"] = {"trainer": {"config": trainer}}
         result = materialize_snapshot(
             defs,
             dagster_instance,
@@ -325,6 +336,43 @@ def explain_cmd(target: str, output: Path | None) -> None:
     if output is not None:
         output.write_text(page)
     _echo_page(page)
+
+
+@main.command("note")
+@click.argument("target")
+@click.argument("text")
+@click.option("--author", help="Who writes it. Default: the OS user running the command.")
+def note_cmd(target: str, text: str, author: str | None) -> None:
+    """Add a note to a run (RUN_ID) or an attempt (RUN_ID#N) in the ledger's logbook.
+
+    Notes are dated, attributed and only ever added: say why a learning rate changed, why a run
+    was restarted or stopped early. `tracks explain` shows them in the run's logbook.
+    """
+    from pipeline.explain import parse_target
+    from pipeline.ledger import LedgerError
+    from pipeline.ledger.notes import os_user
+
+    try:
+        run_id, attempt_no = parse_target(target)
+    except ids.InvalidIdError as exc:
+        # parse_target also offers explain's snapshot pages; a note is on a run or an attempt.
+        said = str(exc) if exc.kind != "target" else f"invalid target {target!r}"
+        raise click.BadParameter(
+            f"{said} (expected RUN_ID or RUN_ID#N, attempt N from 1 to 9999)", param_hint="TARGET"
+        ) from None
+    try:
+        who = os_user() if author is None else author  # an empty --author is refused
+        note = _ledger(_settings()).add_note(
+            run_id, text, author=who, source="cli", attempt_no=attempt_no
+        )
+    except LedgerError as exc:
+        raise click.ClickException(f"{_one_line(exc)}; no note was recorded") from None
+    click.echo(
+        f"note {note.note_id} on {note.target}, {note.created_at:%Y-%m-%d %H:%M:%S} UTC, "
+        f"by {note.author} ({note.source}):"
+    )
+    for line in note.text.splitlines():
+        click.echo(f"  {line}")
 
 
 def _echo_page(page: str) -> None:

@@ -307,15 +307,30 @@ TRACKS_DEBUG = FlagVariable(
     Group.DEPLOYMENT,
     "`tracks` commands print the (redacted) traceback under their one-line error",
 )
+TRACKS_MLFLOW_UI_URL = TextVariable(
+    "TRACKS_MLFLOW_UI_URL",
+    Group.DEPLOYMENT,
+    "the MLflow UI's address, for links to its run and model pages (Dagster metadata)",
+    default_text="`TRACKS_MLFLOW_URI` when that is an `http(s)` server (its password left out), "
+    "else no link",
+)
+TRACKS_DAGSTER_URL = TextVariable(
+    "TRACKS_DAGSTER_URL",
+    Group.DEPLOYMENT,
+    "the Dagster UI's address, for the `tracks.dagster_run_url` tags on MLflow runs and versions",
+    default="http://127.0.0.1:3000",
+)
 
 # ---- Automation and timing -----------------------------------------------------------------
 
 TRACKS_AUTOMATION = BoolVariable(
     "TRACKS_AUTOMATION",
     Group.AUTOMATION,
-    "off: the `new_snapshot` sensor and the `nightly_retrain` schedule start stopped "
-    "(the resume sensor is always on)",
-    default=True,
+    "on: the `new_snapshot` sensor and the `nightly_retrain` schedule start running (they start "
+    "stopped otherwise, and the UI's toggle overrides either); the resume sensor is always on",
+    # Off: a new user's `make dev` trains only when they press the button. A sensor that
+    # trains on every new landing file and a nightly run are a deployment's choice to make.
+    default=False,
 )
 TRACKS_RESUME_INTERVAL = IntVariable(
     "TRACKS_RESUME_INTERVAL",
@@ -364,6 +379,16 @@ TRACKS_HEARTBEAT_SECONDS = FloatVariable(
     "seconds between the trainer's heartbeats to the ledger (drills shorten it)",
     default=5.0,
     unit="seconds",
+)
+TRACKS_PROGRESS_SECONDS = FloatVariable(
+    "TRACKS_PROGRESS_SECONDS",
+    Group.TRAINER,
+    "the least time between two progress lines (`step 120/400 (30%) · loss … · ETA …`) a "
+    "trainer under Dagster logs on the run page; the first and the final step always get one",
+    default=2.0,
+    unit="seconds",
+    minimum=0.0,
+    finite=True,
 )
 
 # ---- Kubernetes ----------------------------------------------------------------------------
@@ -426,6 +451,12 @@ TRACKS_FAULT_SLEEP_BEFORE_AGREEMENT = TextVariable(
     "`seconds@step@rank` (step, rank empty: every one): that rank pauses inside the stop "
     "agreement, before it reduces",
 )
+TRACKS_FAULT_HANG_AT_STEP = TextVariable(
+    "TRACKS_FAULT_HANG_AT_STEP",
+    Group.DRILL_HOOKS,
+    "`N[:rank=R][:in=data|collective]`: rank R (default 0) hangs in step N for good, in its "
+    "data loading (default) or in a collective its peers never join; the process stays alive",
+)
 TRACKS_FAULT_SLEEP_DURING_WRITE = TextVariable(
     "TRACKS_FAULT_SLEEP_DURING_WRITE",
     Group.DRILL_HOOKS,
@@ -443,6 +474,12 @@ TRACKS_FAULT_SLEEP_BEFORE_COMMIT = TextVariable(
     Group.DRILL_HOOKS,
     "`seconds@N` (N left out: every checkpoint): the write of step N's checkpoint pauses "
     "between `MANIFEST.json` and `COMMITTED`",
+)
+TRACKS_FAULT_SPIKE_BATCHES = TextVariable(
+    "TRACKS_FAULT_SPIKE_BATCHES",
+    Group.DRILL_HOOKS,
+    "`60,61`: those batches of the data order (steps 60 and 61 of a run that skipped none) "
+    "reach the model with their pixels scaled by 1000, a loss spike on demand",
 )
 TRACKS_FAULT_EVALUATOR_CRASH = TextVariable(
     "TRACKS_FAULT_EVALUATOR_CRASH",

@@ -28,6 +28,7 @@ from pipeline.ledger import (
     CheckpointRecord,
     EvaluationRecord,
     Ledger,
+    NoteRecord,
     PromotionRecord,
     RunRecord,
     SnapshotCheckRecord,
@@ -441,6 +442,32 @@ def _clock_words(a: AttemptRecord) -> str:
     return "; ".join(words)
 
 
+# The start-up's parts as the trainer measured them (``timings.startup``), in its order.
+_STARTUP_PARTS = (
+    ("process_start", "process start"),
+    ("imports", "imports"),
+    ("ledger", "ledger"),
+    ("data", "data"),
+    ("restore", "restore"),
+    ("first_step", "first step"),
+)
+
+
+def _startup_lines(a: AttemptRecord) -> list[str]:
+    """Where the trainer's start-up went, up to the end of its first step: one line."""
+    split = (a.timings or {}).get("startup")
+    if not isinstance(split, dict):
+        return []
+    parts = [f"{words} {float(split[key]):.1f}s" for key, words in _STARTUP_PARTS if key in split]
+    # ``total`` counts from the process's start (from main() or run_training where that
+    # start was not measured, and then those parts are missing too).
+    head = f"{float(split['total']):.1f}s to the first step's end" if "total" in split else ""
+    head = head or "no step trained"
+    # The data loads on its own thread beside the model's build: the parts overlap.
+    tail = " (data loads beside the model's build)" if "data" in split else ""
+    return [f"- **Start-up**: {head}: {', '.join(parts)}{tail}"]
+
+
 def _launch_words(a: AttemptRecord, attempts: Sequence[AttemptRecord] = ()) -> str:
     launched = a.launched_by or {}
     admission = a.admission or {}
@@ -562,6 +589,9 @@ def _focus_receipt(a: AttemptRecord, attempts: Sequence[AttemptRecord] = ()) -> 
         f"- **Config** sha256 `{a.config_sha256}`; data manifest `{a.data_manifest_sha256}`; "
         f"container `{a.container_digest}`; code {a.code_commit or 'unknown'}",
         f"- **Clocks**: {_clock_words(a)}",
+        *_startup_lines(a),
+        *_step_timing_lines(a),
+        *_hang_lines(a),
         f"- **Cost**: {a.gpu_seconds:.0f} GPU-seconds, {a.cpu_seconds:.0f} CPU-seconds",
         "- **Retry decision**: "
         + (
@@ -574,6 +604,161 @@ def _focus_receipt(a: AttemptRecord, attempts: Sequence[AttemptRecord] = ()) -> 
         ),
         "",
     ]
+
+
+# -- health: the loss-spike detector's timeline ---------------------------------------------
+
+
+def _detector_words(settings: Mapping[str, Any]) -> str:
+    if not settings.get("enabled", True):
+        return "Loss-spike detector off (`spikes.enabled: false`): nothing was judged."
+    limits = []
+    if settings.get("zscore") is not None:
+        limits.append(f"more than {settings['zscore']} standard deviations above")
+    if settings.get("ratio") is not None:
+        limits.append(f"more than {settings['ratio']} times")
+    action = settings.get("action")
+    what = {
+        "skip": "its update is skipped",
+        "rollback": f"the newest committed checkpoint from before it is restored and batches "
+        f"{settings.get('skip_batches_before')} before to {settings.get('skip_batches_after')} "
+        "after the spiking one are dealt past",
+        "stop": "the attempt stops as diverged",
+    }.get(str(action), f"action {action}")
+    stop = settings.get("max_spikes")
+    return (
+        f"Loss-spike detector on {' and '.join(str(settings.get('metrics')).split(','))}: "
+        "a step is a spike when "
+        f"its value lies {' or '.join(limits)} the mean of the last {settings.get('window')} "
+        f"steps (judged from {settings.get('min_history')} on); then {what}"
+        + (f"; spike {stop} of the run stops it as diverged." if stop else ".")
+    )
+
+
+def _spike_row(e: Mapping[str, Any], focus: int | None) -> str:
+    from pipeline.trainer.spikes import spike_words
+
+    attempt = e.get("attempt_no")
+    shown = f"**{attempt}**" if focus is not None and attempt == focus else _or_dash(attempt)
+    action = {"skip": "update skipped", "rollback": "rolled back", "stop": "stopped (diverged)"}
+    words = action.get(str(e.get("action")), str(e.get("action")))
+    if e.get("why"):
+        words += f": {e['why']}"
+    skipped = e.get("skipped_batches")
+    batches = f"{skipped[0]}-{skipped[1]}" if skipped else "—"
+    back = e.get("rolled_back_to") or {}
+    to = f"step {back.get('step')} (`{_short(back.get('path'))}`)" if back else "—"
+    return (
+        f"| {shown} | {e.get('step')} | {_cell(spike_words(e))} | {_cell(words)} | "
+        f"{batches} | {to} |"
+    )
+
+
+def _health(
+    attempts: Sequence[AttemptRecord],
+    evaluations: Sequence[EvaluationRecord],
+    focus: int | None,
+) -> list[str]:
+    """Every spike any attempt saw, what was done, which batches were dealt past and where it
+    rolled back to; and whether the evaluated checkpoints carry that history. Attempts from
+    before the detector recorded nothing: then there is no section."""
+    from pipeline.trainer.spikes import health_summary
+
+    recorded = [a.health for a in attempts if a.health]
+    if not recorded:
+        return []
+    out = ["## Health", "", _detector_words(recorded[-1].get("settings") or {}), ""]
+    # Each attempt's record holds the history it inherited from its checkpoint too: an event
+    # is listed once, under the attempt that saw it.
+    events: dict[tuple[Any, ...], Mapping[str, Any]] = {}
+    for health in recorded:
+        for e in health.get("events") or []:
+            key = (e.get("attempt_no"), e.get("step"), e.get("batch"), e.get("action"))
+            events.setdefault(key, e)
+    if not events:
+        out.append("No loss spike in any attempt.")
+    else:
+        totals = health_summary({"events": list(events.values())})
+        ranges = ", ".join(f"{a}-{b}" for a, b in totals["skipped_batches"]) or "none"
+        out += [
+            f"{totals['spikes']} spike(s): {totals['skipped_updates']} update(s) skipped, "
+            f"{totals['rollbacks']} rollback(s), {totals['stops']} stop(s); batches never "
+            f"trained on: {ranges}.",
+            "",
+            "| attempt | step | spike | action | batches never trained on | rolled back to |",
+            "|---:|---:|---|---|---|---|",
+        ]
+        out += [_spike_row(e, focus) for e in events.values()]
+    for e in evaluations:
+        carried = e.training_health
+        if e.status != "complete" or carried is None:
+            continue
+        out += [
+            "",
+            f"Evaluation `{e.evaluation_id}` ({e.evaluator_name}) of `{_short(e.checkpoint_path)}` "
+            f"records the history that checkpoint carries: {carried.get('spikes', 0)} spike(s), "
+            f"{carried.get('rollbacks', 0)} rollback(s), {carried.get('skipped_updates', 0)} "
+            "update(s) skipped.",
+        ]
+    return [*out, ""]
+
+
+_TIMED = (("data", "data"), ("compute", "compute"), ("collective", "collective"),
+          ("save_stall", "save stall"), ("total", "total"))  # fmt: skip
+
+
+def _step_timing_lines(a: AttemptRecord) -> list[str]:
+    """One line per rank: median and p99 of each part of its steps (``timings.steps``)."""
+    ranks = (a.timings or {}).get("steps")
+    if not isinstance(ranks, Mapping):
+        return []
+    out = []
+    for rank in sorted(ranks, key=lambda r: int(r) if str(r).isdigit() else -1):
+        figures = ranks[rank]
+        if not isinstance(figures, Mapping):
+            continue
+        parts = [
+            f"{words} {_ms(figures[key].get('median'))} / {_ms(figures[key].get('p99'))}"
+            for key, words in _TIMED
+            if isinstance(figures.get(key), Mapping)
+        ]
+        out.append(
+            f"- **Step timing, rank {rank}** ({figures.get('steps', '?')} steps; median / p99 "
+            f"in ms): {', '.join(parts)}"
+        )
+    return out
+
+
+def _ms(seconds: Any) -> str:
+    if not isinstance(seconds, int | float):
+        return "—"
+    ms = float(seconds) * 1000
+    return f"{ms:.3g}" if ms < 100 else f"{ms:,.0f}"
+
+
+def _hang_lines(a: AttemptRecord) -> list[str]:
+    """The watchdog's facts when it ended the attempt: who was stuck, who waited, the stacks."""
+    fired = (a.timings or {}).get("watchdog")
+    if not isinstance(fired, Mapping):
+        return []
+    story = fired.get("story") if isinstance(fired.get("story"), Mapping) else {}
+    stuck = ", ".join(str(r) for r in story.get("stuck") or [])
+    waiting = ", ".join(str(r) for r in story.get("waiting") or [])
+    frames = " ← ".join(str(f) for f in (fired.get("top_frames") or [])[:5])
+    line = (
+        f"- **Hang**: stuck rank(s) {stuck or '—'}"
+        + (f", waiting rank(s) {waiting}" if waiting else "")
+        + f"; rank {fired.get('rank')}'s watchdog fired at step {fired.get('step')} in "
+        f"{fired.get('phase')} ({fired.get('what')}) after {fired.get('stalled_seconds')} s "
+        f"without a finished step (threshold {fired.get('threshold_seconds')} s: the larger "
+        f"of {fired.get('multiple')} times its p99 step time {fired.get('p99_step_seconds')} s "
+        f"and the floor {fired.get('floor_seconds')} s)"
+    )
+    if frames:
+        line += f"; its top frames: {frames}"
+    if fired.get("stacks_file"):
+        line += f"; every thread's stack beside its last words: {fired['stacks_file']}"
+    return [line]
 
 
 def _evaluations(evaluations: Sequence[EvaluationRecord], attempts_ok: bool) -> list[str]:
@@ -700,6 +885,75 @@ def _model_history(
     return out
 
 
+# -- the logbook: people's notes among the run's events ------------------------------------
+
+
+def _note_lines(note: NoteRecord) -> list[str]:
+    on = "the run" if note.attempt_no is None else f"attempt {note.attempt_no}"
+    head = (
+        f"- {_when(note.created_at)} — **note {note.note_id}** on {on} by "
+        f"**{_cell(note.author)}** ({_cell(note.source)}):"
+    )
+    # A blockquote under the list item keeps the note's own lines, as it was written.
+    return [head, *(f"  > {line}".rstrip() for line in note.text.splitlines())]
+
+
+def _logbook_events(
+    run: RunRecord, attempts: Sequence[AttemptRecord], promotions: Sequence[PromotionRecord]
+) -> list[tuple[Any, str]]:
+    """(when, one line) for what the ledger recorded happening: the context of the notes."""
+    events = [(run.created_at, f"run created for {run.owner} ({run.purpose})")]
+    for a in attempts:
+        via = (a.launched_by or {}).get("via")
+        launched = f" (launched by {via})" if via else ""
+        events.append((a.started_at, f"attempt {a.attempt_no} started{launched}"))
+        if a.ended_at is not None:
+            action = (a.retry_decision or {}).get("action")
+            then = f" → {action}" if action else ""
+            events.append(
+                (a.ended_at, f"attempt {a.attempt_no} ended **{a.termination_reason}**{then}")
+            )
+    for p in promotions:
+        version = f" (version {p.model_version})" if p.model_version else ""
+        events.append((p.decided_at, f"promotion **{p.decision}**{version}"))
+    return events
+
+
+def _logbook(
+    run: RunRecord,
+    attempts: Sequence[AttemptRecord],
+    promotions: Sequence[PromotionRecord],
+    notes: Sequence[NoteRecord],
+    focus: int | None,
+) -> list[str]:
+    """People's notes in time order among the run's events; an attempt's page shows the run's
+    notes and its own."""
+    out = ["## Logbook", ""]
+    shown = [n for n in notes if focus is None or n.attempt_no in (None, focus)]
+    elsewhere = sorted({n.attempt_no for n in notes if n not in shown})
+    if not shown:
+        out.append(
+            f"No notes{' on this attempt or the run' if focus is not None else ''}. "
+            f'`tracks note {run.run_id}[#N] "why"` adds one; notes are only ever added.'
+        )
+    else:
+        out += [
+            "Notes people left (only ever added, never edited), in time order among the "
+            "run's events:",
+            "",
+        ]
+        # Notes sort after an event of the same instant: a launch note follows its attempt.
+        events = _logbook_events(run, attempts, promotions)
+        timeline = [(when, 0, [f"- {_when(when)} — {what}"]) for when, what in events]
+        timeline += [(n.created_at, 1, _note_lines(n)) for n in shown]
+        for _when_at, _order, lines in sorted(timeline, key=lambda item: item[:2]):
+            out += lines
+    if elsewhere:
+        said = ", ".join(f"`{run.run_id}#{n}`" for n in elsewhere)
+        out += ["", f"Other attempts have notes of their own: {said}."]
+    return [*out, ""]
+
+
 def render_run(ledger: Ledger, run: RunRecord, focus_attempt: int | None = None) -> str:
     """The one-page story of ``run`` as Markdown; ``focus_attempt`` is highlighted."""
     attempts = ledger.attempts(run.run_id)
@@ -710,10 +964,12 @@ def render_run(ledger: Ledger, run: RunRecord, focus_attempt: int | None = None)
     title = f"# Run {run.run_id}" + (f", attempt {focus_attempt}" if focus_attempt else "")
     out = [title, ""]
     out += _summary(run, attempts, focus, promotions)
+    out += _logbook(run, attempts, promotions, ledger.notes(run.run_id), focus_attempt)
     out += _what_was_tried(run, attempts, focus)
     out += _data(run, attempts, ledger)
     out += _placement(attempts, focus_attempt)
     out += _lineage(attempts, checkpoints, focus_attempt)
+    out += _health(attempts, evaluations, focus_attempt)
     out += _attempts(attempts, checkpoints, focus_attempt)
     if focus is not None:
         out += _focus_receipt(focus, attempts)

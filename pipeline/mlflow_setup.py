@@ -1,8 +1,19 @@
-"""The one place Tracks configures MLflow: URIs, quiet logging, experiments, metric names.
+"""The one place Tracks configures MLflow: URIs, quiet logging, experiments, metric names, links.
 
 Everything else asks :func:`mlflow_client` for a client with explicit URIs. The fluent API is
-only used where MLflow offers nothing else (``pyfunc.log_model`` inside ``start_run``, and
-``pyfunc.load_model("models:/…")`` for readers), so the process-wide URIs are set here too.
+only used where MLflow offers nothing else (``Model.log`` resolves its store from the process,
+and ``pyfunc.load_model("models:/…")`` for readers), so the process-wide URIs are set here too.
+
+Every experiment Tracks creates goes through :func:`ensure_experiment`, which marks it a
+machine-learning experiment (``mlflow.experimentKind``), so MLflow's UI opens it on the runs
+table, not on the GenAI traces view. MLflow 3.17's UI decides in two places, both read from its
+bundled JavaScript (``mlflow/server/js/build/static/js``): a global "workflow type" switch in
+the side bar (``genai`` unless chosen otherwise, kept in the browser's local storage as
+``mlflow.workflowType_v1``, overridden by a ``?workflowType=`` query), which this version reads
+first, and the experiment's ``mlflow.experimentKind`` tag (``custom_model_development`` for
+"Machine learning", the value the UI writes itself when a person picks it), which the versions
+before it read and which names the experiment's kind in the experiment list. So the tag is set,
+and every link Tracks makes carries ``?workflowType=machine_learning`` (:func:`mlflow_run_url`).
 """
 
 from __future__ import annotations
@@ -12,6 +23,9 @@ import os
 import re
 import threading
 from typing import TYPE_CHECKING
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from pipeline import envvars
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -19,9 +33,15 @@ if TYPE_CHECKING:
     from pipeline.settings import TracksSettings
 
 EVALUATION_EXPERIMENT = "tracks-evaluation"
-PROMOTION_EXPERIMENT = "tracks-promotion"
 CHAMPION_ALIAS = "champion"
 DEFAULT_MODEL_NAME = "digits-classifier"
+
+# The experiment tag MLflow's UI reads for an experiment's kind, and its "Machine learning" value.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MACHINE_LEARNING_KIND = "custom_model_development"
+# The query that opens MLflow 3.17's UI in its "Machine learning" workflow, whatever a browser
+# last chose (the UI's default is GenAI).
+MACHINE_LEARNING_VIEW = "workflowType=machine_learning"
 
 # MLflow and Alembic log every schema migration and artifact upload at INFO.
 _NOISY_LOGGERS = ("mlflow", "alembic", "alembic.runtime.migration")
@@ -55,14 +75,24 @@ def mlflow_client(settings: TracksSettings) -> MlflowClient:
 
 def get_or_create_experiment(client: MlflowClient, settings: TracksSettings, name: str) -> str:
     """The id of experiment ``name``, created with its artifacts under the artifact root."""
+    location = (settings.mlflow_artifact_root / name).resolve().as_uri()
+    return ensure_experiment(client, name, location)
+
+
+def ensure_experiment(client: MlflowClient, name: str, artifact_location: str | None) -> str:
+    """The id of experiment ``name``: created (artifacts at ``artifact_location``, MLflow's
+    default when None) or restored if deleted, and marked a machine-learning experiment."""
     from mlflow.entities import LifecycleStage
     from mlflow.exceptions import MlflowException
 
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
-        location = (settings.mlflow_artifact_root / name).resolve().as_uri()
         try:
-            return client.create_experiment(name, artifact_location=location)
+            return client.create_experiment(
+                name,
+                artifact_location=artifact_location,
+                tags={EXPERIMENT_KIND_TAG: MACHINE_LEARNING_KIND},
+            )
         except MlflowException as exc:
             # Another process (a parallel Dagster step) created it first.
             experiment = client.get_experiment_by_name(name)
@@ -70,7 +100,48 @@ def get_or_create_experiment(client: MlflowClient, settings: TracksSettings, nam
                 raise exc from None
     if experiment.lifecycle_stage == LifecycleStage.DELETED:
         client.restore_experiment(experiment.experiment_id)
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) != MACHINE_LEARNING_KIND:
+        # An experiment made before Tracks set the kind, or one the UI guessed "GenAI" for.
+        client.set_experiment_tag(
+            experiment.experiment_id, EXPERIMENT_KIND_TAG, MACHINE_LEARNING_KIND
+        )
     return experiment.experiment_id
+
+
+def mlflow_ui_url(tracking_uri: str) -> str | None:
+    """The MLflow UI's address: ``TRACKS_MLFLOW_UI_URL``, else ``tracking_uri`` when it is an
+    ``http(s)`` server (without a user or password), else None (a database has no UI)."""
+    configured = envvars.TRACKS_MLFLOW_UI_URL.get()
+    if configured:
+        return configured.rstrip("/")
+    parts = urlsplit(tracking_uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+
+
+def mlflow_run_url(ui_base: str, experiment_id: str, run_id: str) -> str:
+    """The MLflow UI page of one run, in the UI's machine-learning view."""
+    return (
+        f"{ui_base.rstrip('/')}/#/experiments/{quote(str(experiment_id), safe='')}"
+        f"/runs/{quote(run_id, safe='')}?{MACHINE_LEARNING_VIEW}"
+    )
+
+
+def mlflow_model_version_url(ui_base: str, model_name: str, version: str) -> str:
+    """The MLflow UI page of one registered model version (its source run, signature, tags)."""
+    return (
+        f"{ui_base.rstrip('/')}/#/models/{quote(model_name, safe='')}"
+        f"/versions/{quote(str(version), safe='')}?{MACHINE_LEARNING_VIEW}"
+    )
+
+
+def dagster_run_url(dagster_run_id: str) -> str:
+    """The Dagster UI page of a run (``TRACKS_DAGSTER_URL``), for MLflow tags that lead back."""
+    base = envvars.TRACKS_DAGSTER_URL.get() or "http://127.0.0.1:3000"
+    return f"{base.rstrip('/')}/runs/{quote(dagster_run_id, safe='')}"
 
 
 _INVALID_KEY_CHARS = re.compile(r"[^\w./\- ]")

@@ -327,7 +327,11 @@ class TrainJobPipesClient(dg.PipesClient):
         name = pod["metadata"]["name"]
         context.log.info(f"rank 0 is pod {spec.namespace}/{name}; reading its Pipes messages")
         if _ran(pod):
-            # Blocks while the container runs (follow=True) and returns when its log ends.
+            # Blocks while the container runs (follow=True) and returns when its log ends. Each
+            # Pipes log message goes to context.log, so to the run page, as its line is read,
+            # not at the end; dagster-k8s holds a line until the next one arrives, which is why
+            # the trainer writes its progress line before the step's custom message
+            # (pipeline/trainer/reporting.py, tests/test_progress.py).
             reader.consume_pod_logs(
                 context=context, core_api=self.apis.core, pod_name=name, namespace=spec.namespace
             )

@@ -93,6 +93,9 @@ class TrainerPipesClient(dg.PipesClient):
         with dg.open_pipes_session(
             context=context,
             context_injector=dg.PipesTempFileContextInjector(),
+            # A thread tails the trainer's message file while it runs: its log messages (the
+            # progress line of each interval) reach context.log, and the run page, at once;
+            # custom messages wait in the session for the asset, after the trainer exits.
             message_reader=dg.PipesTempFileMessageReader(),
             extras=extras,
         ) as session:

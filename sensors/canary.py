@@ -44,7 +44,6 @@ canary_job = dg.define_asset_job(
     # Selecting the assets selects their checks too: the snapshot's contract and quality
     # checks, loss_falls, restores_in_new_process and provenance_complete.
     selection=dg.AssetSelection.assets(*CANARY_ASSETS),
-    partitions_def=snapshot_partitions,
     tags={
         MAX_RUNTIME_TAG: str(int(DEFAULT_MAX_MINUTES * 60)),
         "tracks/purpose": "canary",

@@ -6,12 +6,12 @@ from typing import Any
 
 import dagster as dg
 
-from assets.partitions import snapshot_partitions
+from assets.partitions import ASSET_GROUP, snapshot_partitions
 
 train_evaluate_promote = dg.define_asset_job(
     "train_evaluate_promote",
-    selection=dg.AssetSelection.groups("data", "training", "evaluation", "promotion"),
-    partitions_def=snapshot_partitions,
+    # Partitioned by snapshot through its assets (Dagster infers it; naming it is deprecated).
+    selection=dg.AssetSelection.groups(ASSET_GROUP),
     description="Snapshot → checks → train → committed checkpoint → evaluate → promote.",
 )
 

@@ -61,10 +61,15 @@ def _run_key(instance: dg.DagsterInstance, key: str) -> str | None:
 @dg.sensor(
     name=SENSOR_NAME,
     minimum_interval_seconds=AUTOMATION.resume_interval_seconds,
+    # On for everyone, TRACKS_AUTOMATION or not: it starts no work of its own, only finishes
+    # what a person or a sensor already launched. A preempted run that nobody resumes holds
+    # a half-trained model and a checkpoint that ages; the retry budget bounds what this sensor
+    # may spend, and Dagster's run retries are off so that it is the one owner of a failure.
+    # Stopped in the UI, it catches up when started again: the ledger remembers what is due.
     default_status=dg.DefaultSensorStatus.RUNNING,
     asset_selection=CONTINUATION_ASSETS,
     description=(
-        "Resumes runs whose last attempt was preempted, timed out or hit a transient fault, "
+        "Resumes runs whose last attempt was preempted, timed out, hung or hit a transient fault, "
         "within their retry budget; closes attempts whose heartbeat went silent."
     ),
 )

@@ -48,6 +48,7 @@ def newest_checked_snapshot(instance: dg.DagsterInstance) -> str | None:
     name="nightly_retrain",
     job=train_evaluate_promote,
     cron_schedule=AUTOMATION.nightly_cron,
+    # Stopped unless TRACKS_AUTOMATION=on, like new_snapshot: a nightly run costs every night.
     default_status=(
         dg.DefaultScheduleStatus.RUNNING
         if AUTOMATION.automation_on

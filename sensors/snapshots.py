@@ -22,6 +22,8 @@ def _fingerprint(files: list[Path]) -> str:
     name="new_snapshot",
     job=train_evaluate_promote,
     minimum_interval_seconds=AUTOMATION.new_snapshot_interval_seconds,
+    # Stopped unless TRACKS_AUTOMATION=on: it starts training runs (CPU or GPU hours) on
+    # every new landing file, which a deployment chooses and a new user should not discover.
     default_status=(
         dg.DefaultSensorStatus.RUNNING
         if AUTOMATION.automation_on

@@ -3,7 +3,8 @@
 Reproduced before the fix: every ``tracks.attempt.N.dagster_run_id`` tag was empty; a run whose
 attempt was preempted, ran out of memory or went silent stayed RUNNING in MLflow forever; and a
 resumed attempt logged its restored commit's ``checkpoint.step`` a second time whenever the
-commit fell between two logged steps.
+commit fell between two logged steps. The tracker logs live, from its own thread: the tests
+wait for it (``flush``) where a trainer's commit would.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ def _fail(message: str) -> None:
 
 
 def _tracker(uri: str, tmp_path: Path, attempt_no: int, restored_step: int) -> TrainingTracker:
-    return TrainingTracker(
+    """A tracker whose thread has found (or made) the MLflow run and set it RUNNING."""
+    tracker = TrainingTracker(
         tracking_uri=uri, artifact_root=str(tmp_path / "artifacts"), run_id="r1",
         attempt_no=attempt_no, config={"max_steps": 60, "model": {"hidden": 32}},
         tags={"restored_step": str(restored_step), "dagster_run_id": ""}, warn=_fail,
         run_dir=tmp_path / "store" / "r1", restored_step=restored_step,
     )  # fmt: skip
+    assert tracker.mlflow_run_id is not None
+    return tracker
 
 
 def _attempt(ledger: Ledger, dagster_run_id: str) -> int:
@@ -86,6 +90,10 @@ def test_the_mlflow_run_follows_each_attempt_the_ledger_closes(tmp_path: Path) -
     assert run.info.status == "KILLED"  # preempted: not FAILED
     assert run.data.tags["tracks.attempt.1"] == "preempted"
     assert run.data.tags["tracks.attempt.1.dagster_run_id"] == "dagster-run-1"
+    # The way back to Dagster (TRACKS_DAGSTER_URL, by default the local `dagster dev`).
+    url = "http://127.0.0.1:3000/runs/dagster-run-1"
+    assert run.data.tags["tracks.attempt.1.dagster_run_url"] == url
+    assert run.data.tags["tracks.dagster_run_url"] == url
     assert run.data.tags["tracks.attempt.1.termination_detail"] == detail
     assert run.data.tags["tracks.termination_reason"] == "preempted"
     assert run.data.tags["tracks.termination_detail"] == detail
@@ -108,21 +116,75 @@ def test_the_mlflow_run_follows_each_attempt_the_ledger_closes(tmp_path: Path) -
     assert run.data.tags["tracks.attempt.1"] == "preempted"  # each attempt keeps its own
 
 
-def test_a_resumed_attempt_does_not_log_its_restored_commit_again(tmp_path: Path) -> None:
-    """Steps are logged every 10; the commit at 15 falls between two of them."""
+def test_a_resumed_attempt_logs_each_step_once_and_a_rollback_says_which_values_it_kept(
+    tmp_path: Path,
+) -> None:
+    """Steps are logged every 10 and at the kill; the commit at 15 falls between two of them."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     first = _tracker(uri, tmp_path, 1, 0)
     first.step(10, STEP)
     first.committed(15, {"eval_loss": 0.5})
-    # SIGKILLed at step 17: no goodbye. The next attempt restores step 15.
+    first.step(17, STEP)
+    assert first.flush(60)  # live: MLflow has step 17, which no checkpoint covers
+    # SIGKILLed after step 17: no goodbye. The next attempt restores step 15 and trains step 17
+    # again (bit-exact: the value MLflow holds), then on.
     second = _tracker(uri, tmp_path, 2, 15)
-    second.step(20, STEP)
+    second.step(17, STEP)
+    second.step(20, {**STEP, "loss": 0.5})
     second.committed(20, {"eval_loss": 0.4})
+    assert second.flush(60)
     client = MlflowClient(tracking_uri=uri)
-    history = client.get_metric_history(second.mlflow_run_id, "checkpoint.step")
-    assert sorted(m.step for m in history) == [15, 20]
-    losses = client.get_metric_history(second.mlflow_run_id, "checkpoint.eval_loss")
-    assert sorted(m.step for m in losses) == [15, 20]
+    run_id = second.mlflow_run_id
+    assert _steps(client, run_id, "loss") == [10, 17, 20]
+    assert _steps(client, run_id, "checkpoint.step") == [15, 20]
+    assert _steps(client, run_id, "checkpoint.eval_loss") == [15, 20]
+    tags = client.get_run(run_id).data.tags
+    assert tags["tracks.checkpoint_path"] == str(tmp_path / "store" / "r1" / "step-0000000020-a02")
+    assert tags["tracks.checkpoint_step"] == "20"
+
+    # A rollback: attempt 3 restores step 15, behind the commit at 20, and trains 16-20 on
+    # other batches. MLflow keeps the first value of each step, and a tag says so.
+    third = _tracker(uri, tmp_path, 3, 15)
+    third.step(20, {**STEP, "loss": 9.0})
+    third.step(25, STEP)
+    third.finished(3, "succeeded", final=True)
+    history = {m.step: m.value for m in client.get_metric_history(run_id, "loss")}
+    assert sorted(history) == [10, 17, 20, 25] and history[20] == 0.5
+    rollback = client.get_run(run_id).data.tags["tracks.rollback.15"]
+    assert rollback.startswith("attempt 3 restored step 15, behind the commit at step 20")
+    assert rollback.endswith("steps 16-20 keep the values first logged")
+
+
+def test_steps_an_attempt_could_not_log_reach_mlflow_from_its_journal(tmp_path: Path) -> None:
+    """MLflow was unreachable for attempt 1 (it trained steps 1-20 and committed 20 anyway);
+    attempt 2 restores step 20, which it never trains again: the journal fills them in."""
+    warnings: list[str] = []
+    (tmp_path / "a-file").write_text("")  # no store can be made below a file
+    down = TrainingTracker(
+        tracking_uri=f"sqlite:///{tmp_path / 'a-file' / 'mlflow.db'}",
+        artifact_root=None, run_id="r1", attempt_no=1, config={"max_steps": 60},
+        tags={}, warn=warnings.append, run_dir=tmp_path / "store" / "r1", restored_step=0,
+    )  # fmt: skip
+    assert down.mlflow_run_id is None
+    for step in range(10, 21, 10):
+        down.step(step, {**STEP, "loss": 1.0 / step})
+    down.committed(20, {"eval_loss": 0.5})
+    down.finished(1, "preempted", final=False)
+    assert len(warnings) == 1 and warnings[0].startswith("MLflow tracking is off for this attempt")
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    up = _tracker(uri, tmp_path, 2, 20)
+    up.step(30, STEP)
+    up.finished(2, "succeeded", final=True)
+    client = MlflowClient(tracking_uri=uri)
+    history = {m.step: m.value for m in client.get_metric_history(up.mlflow_run_id, "loss")}
+    assert history == {10: 0.1, 20: 0.05, 30: STEP["loss"]}
+    assert _steps(client, up.mlflow_run_id, "checkpoint.step") == [20]  # its restored commit
+    assert _steps(client, up.mlflow_run_id, "checkpoint.eval_loss") == [20]  # from the journal
+
+
+def _steps(client: MlflowClient, mlflow_run_id: str, metric: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(mlflow_run_id, metric))
 
 
 @pytest.mark.slow

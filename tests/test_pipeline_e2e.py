@@ -68,8 +68,8 @@ def test_whole_path_promotes_a_champion_whose_tags_lead_back(deployment: str) ->
         shown = {
             "training_attempt": (["loss_curve"], ["checkpoint_lineage"]),
             "evaluation": (
-                ["holdout_accuracy/confusion_matrix"],
-                ["results", "holdout_accuracy/slices"],
+                ["explain"],
+                ["results", "holdout_accuracy/slices", "holdout_accuracy/confusion_matrix"],
             ),
             "promoted_model": (["decision_against_champion"], ["gate_rules"]),
         }
@@ -82,7 +82,7 @@ def test_whole_path_promotes_a_champion_whose_tags_lead_back(deployment: str) ->
                 value = materialization.metadata[key]
                 assert isinstance(value, dg.TableMetadataValue) and value.records, (node, key)
         loss_curve = result.asset_materializations_for_node("training_attempt")[0].metadata
-        assert "data:image/png;base64," in loss_curve["loss_curve"].value
+        assert loss_curve["loss_curve"].value.startswith("![loss curve](data:image/svg+xml,")
 
     ledger = Ledger.open(settings.ledger_url)
     [run] = ledger.find_runs(snapshot_id=snapshot)

@@ -9,13 +9,22 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import pytest
+import torch
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 
 from pipeline.data import read_snapshot_frame
 from pipeline.ledger import EvaluationRecord, Ledger, PromotionRecord
 from pipeline.mlflow_setup import configure_mlflow
 from pipeline.promotion import QualityGate, champion_version, promote
 from pipeline.states import PromotionDecision
+from pipeline.tracking import (
+    PROMOTION_TAG,
+    RUN_TAG,
+    TRAINING_RUN_TAG,
+    ensure_training_run,
+    training_run_of,
+)
 from tests.evaluation_support import (
     World,
     manifest_sha256,
@@ -76,23 +85,35 @@ def test_model_version_tags_lead_back_to_run_attempt_checkpoint_snapshot_and_eva
 ) -> None:
     version = champion_version(world.settings, champion.model_name)
     tags = version.tags
-    assert tags["run_id"] == "run-good" and tags["attempt_no"] == "1"
-    assert tags["checkpoint_path"] == str(champion.checkpoint)
-    assert tags["checkpoint_manifest_sha256"] == manifest_sha256(champion.checkpoint)
-    assert tags["snapshot_id"] == world.snapshot.snapshot_id
-    assert tags["promotion_id"] == champion.promotion.promotion_id
+    assert tags["tracks.run_id"] == "run-good" and tags["tracks.attempt_no"] == "1"
+    assert tags["tracks.checkpoint_path"] == str(champion.checkpoint)
+    assert tags["tracks.checkpoint_manifest_sha256"] == manifest_sha256(champion.checkpoint)
+    assert tags["tracks.snapshot_id"] == world.snapshot.snapshot_id
+    assert tags["tracks.promotion_id"] == champion.promotion.promotion_id
     by_name = {e.evaluator_name: e.evaluation_id for e in champion.evaluations}
-    assert sorted(tags["evaluation_ids"].split(",")) == sorted(by_name.values())
+    assert sorted(tags["tracks.evaluation_ids"].split(",")) == sorted(by_name.values())
     for name, evaluation_id in by_name.items():
-        assert tags[f"evaluation.{name}"] == evaluation_id
+        assert tags[f"tracks.evaluation.{name}"] == evaluation_id
     # Each tag resolves: the evaluations are in the ledger for exactly this checkpoint.
-    in_ledger = champion.ledger.evaluations_for_checkpoint(tags["checkpoint_manifest_sha256"])
+    sha = tags["tracks.checkpoint_manifest_sha256"]
+    in_ledger = champion.ledger.evaluations_for_checkpoint(sha)
     assert {e.evaluation_id for e in in_ledger} == set(by_name.values())
-    # The version is linked to the MLflow run that logged it, which holds the gate's details.
+    # The version's source is the run's MLflow TRAINING run (made at promotion here: these
+    # checkpoints were written by hand, with no tracker), which also holds the gate's details.
     client = MlflowClient(world.settings.mlflow_tracking_uri)
+    assert version.run_id == training_run_of(client, "run-good") == tags[TRAINING_RUN_TAG]
+    logged = client.get_logged_model(version.source.removeprefix("models:/"))
+    assert (logged.source_run_id, logged.name) == (version.run_id, "model")
     run = client.get_run(version.run_id)
-    assert run.data.tags["checkpoint_manifest_sha256"] == tags["checkpoint_manifest_sha256"]
-    assert "gate.json" in {a.path for a in client.list_artifacts(version.run_id)}
+    assert run.data.tags[RUN_TAG] == "run-good" and run.info.status == "FINISHED"
+    gate = f"promotions/{champion.promotion.promotion_id}/gate.json"
+    assert gate in {a.path for a in client.list_artifacts(version.run_id, gate.rsplit("/", 1)[0])}
+    # The evaluation runs carry the same tracks.run_id, and lead to the training run too.
+    for evaluation in champion.evaluations:
+        evaluation_tags = client.get_run(evaluation.mlflow_run_id).data.tags
+        assert evaluation_tags[RUN_TAG] == "run-good"
+        assert evaluation_tags["tracks.evaluation_id"] == evaluation.evaluation_id
+        assert evaluation_tags["tracks.checkpoint_manifest_sha256"] == sha
 
 
 def test_champion_loads_by_alias_without_pickle_and_predicts(
@@ -107,7 +128,13 @@ def test_champion_loads_by_alias_without_pickle_and_predicts(
     accuracy = float((predicted == rows["label"].to_numpy()).mean())
     holdout = next(e for e in champion.evaluations if e.evaluator_name == "holdout_accuracy")
     assert accuracy == pytest.approx(holdout.metrics["accuracy"])
-    assert np.array_equal(model.predict(rows[PIXELS].to_numpy()[:7]), predicted[:7])
+    assert np.array_equal(model.predict(rows[PIXELS].head(7)), predicted[:7])
+    # The signature is the snapshot's contract: integer pixel columns, refused by name else.
+    with pytest.raises(MlflowException, match="px_00"):
+        model.predict(rows[PIXELS].to_numpy()[:7])
+    signature = model.metadata.signature
+    assert signature.inputs.input_names() == PIXELS
+    assert [spec.type.name for spec in signature.inputs.inputs] == ["long"] * 64
 
     local = Path(
         mlflow.artifacts.download_artifacts(
@@ -116,6 +143,7 @@ def test_champion_loads_by_alias_without_pickle_and_predicts(
     )
     files = {p.name for p in local.rglob("*") if p.is_file()}
     assert {"model.safetensors", "trainer_state.json", "digits_model.py", "MLmodel"} <= files
+    assert "input_example.json" in files  # two real rows of the snapshot's eval split
     assert not any(name.endswith((".pkl", ".pickle", ".pt", ".pth")) for name in files)
 
 
@@ -195,8 +223,8 @@ def test_second_promotion_records_the_previous_champion(world: World, tmp_path: 
     evaluate_checkpoint(world, ledger, first, "run-1")
     assert promote_checkpoint(world, ledger, first, "run-1", name).model_version == "1"
 
-    # The same weights saved by a later run at a later step: a new checkpoint, no regression.
-    second = write_checkpoint(tmp_path, world.good_state, run_id="run-2", step=800)
+    # Other weights, a hair apart (no prediction changes): a new checkpoint, no regression.
+    second = write_checkpoint(tmp_path, _nudged(world.good_state), run_id="run-2", step=800)
     assert manifest_sha256(second) != manifest_sha256(first)
     evaluate_checkpoint(world, ledger, second, "run-2")
     record = promote_checkpoint(world, ledger, second, "run-2", name)
@@ -205,8 +233,53 @@ def test_second_promotion_records_the_previous_champion(world: World, tmp_path: 
     assert (record.model_version, record.previous_champion_version) == ("2", "1")
     assert record.gate["champion_version"] == "1" and record.gate["slice_comparisons"]
     version = champion_version(world.settings, name)
-    assert str(version.version) == "2" and version.tags["previous_champion_version"] == "1"
+    assert str(version.version) == "2" and version.tags["tracks.previous_champion_version"] == "1"
     assert ledger.current_champion(name) == record
+
+
+def _nudged(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same model but for one output bias moved by 1e-4: other bytes, the same answers."""
+    nudged = {k: v.clone() for k, v in state.items()}
+    bias = [k for k in nudged if k.endswith(".bias")][-1]
+    nudged[bias][0] += 1e-4
+    return nudged
+
+
+def test_retraining_to_identical_weights_registers_no_new_version(
+    world: World, tmp_path: Path
+) -> None:
+    """The same snapshot, config and code train bit-identical weights on CPU: a second run
+    whose model.safetensors is the champion's byte for byte is recorded unchanged."""
+    name = "digits-unchanged"
+    ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, "run-a", "run-b")
+    first = write_checkpoint(tmp_path, world.good_state, run_id="run-a")
+    evaluate_checkpoint(world, ledger, first, "run-a")
+    crowned = promote_checkpoint(world, ledger, first, "run-a", name)
+    assert crowned.model_version == "1"
+    # Another run, another attempt's checkpoint (another manifest), the same tensors.
+    again = write_checkpoint(tmp_path, world.good_state, run_id="run-b", step=500)
+    assert manifest_sha256(again) != manifest_sha256(first)
+    evaluations = evaluate_checkpoint(world, ledger, again, "run-b")
+    client = MlflowClient(world.settings.mlflow_tracking_uri)
+    ensure_training_run(client, "run-b", None)  # what its trainer's tracker would have made
+
+    record = promote_checkpoint(world, ledger, again, "run-b", name)
+
+    assert record.decision == PromotionDecision.UNCHANGED, record.reason
+    assert record.reason.startswith("Identical to the champion (version 1, run run-a)")
+    assert (record.model_version, record.previous_champion_version) == ("1", "1")
+    assert record.serving_manifest is None
+    identical = record.gate["identical_to_champion"]
+    assert identical["promotion_id"] == crowned.promotion_id
+    assert identical["weights"]["digest"] == crowned.serving_manifest["files"]["weights"]["digest"]
+    assert sorted(record.evaluation_ids) == sorted(e.evaluation_id for e in evaluations)
+    assert ledger.promotions(run_id="run-b") == [record]  # a row of its own, with its reason
+    assert ledger.current_champion(name) == crowned
+    assert ledger.get_run("run-b").status not in ("promoted", "refused")  # kept its status
+    assert [str(v.version) for v in client.search_model_versions(f"name='{name}'")] == ["1"]
+    assert str(champion_version(world.settings, name).version) == "1"
+    training = client.get_run(training_run_of(client, "run-b"))
+    assert training.data.tags[PROMOTION_TAG] == record.reason
 
 
 def test_a_promotion_whose_ledger_row_was_lost_is_recorded_without_a_second_version(
@@ -236,8 +309,7 @@ def _served_files(world: World, model_name: str) -> Path:
 
     client = mlflow_client(world.settings)
     version = client.get_model_version_by_alias(model_name, "champion")
-    model_id = version.model_id or version.source.removeprefix("models:/")
-    logged = client.get_logged_model(model_id)
+    logged = client.get_logged_model(version.source.removeprefix("models:/"))
     return Path(logged.artifact_location.removeprefix("file://"))
 
 

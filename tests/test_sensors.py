@@ -505,3 +505,35 @@ def test_only_the_sensors_own_runs_use_up_a_continuations_relaunches(tmp_path: P
     assert request.run_key == f"{key}#relaunch-1"
     spent = [died(n, by_sensor=True) for n in range(MAX_RELAUNCHES)]
     assert isinstance(_resume_tick(ledger, dagster_runs=spent), dg.SkipReason)
+
+
+_DEFAULT_STATUSES = """
+from sensors import ALL_SCHEDULES, ALL_SENSORS
+for item in [*ALL_SENSORS, *ALL_SCHEDULES]:
+    print(item.name, item.default_status.value)
+"""
+
+
+def _default_statuses(automation: str | None) -> dict[str, str]:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRACKS_AUTOMATION"}
+    if automation is not None:
+        env["TRACKS_AUTOMATION"] = automation
+    # A process each: the statuses are read from the environment when sensors/ is imported.
+    out = subprocess.run(
+        [sys.executable, "-c", _DEFAULT_STATUSES],
+        env=env, capture_output=True, text=True, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    return dict(line.split() for line in out.splitlines())
+
+
+def test_automation_a_person_chooses_is_off_until_turned_on(tracks_home: Path) -> None:
+    """Out of the box only the resume sensor runs; TRACKS_AUTOMATION=on starts the others."""
+    assert _default_statuses(None) == {
+        "resume_after_preemption": "RUNNING",
+        "new_snapshot": "STOPPED",
+        "nightly_retrain": "STOPPED",
+    }
+    assert set(_default_statuses("on").values()) == {"RUNNING"}

@@ -295,7 +295,7 @@ def test_an_unknown_on_off_word_is_refused_by_name() -> None:
     with pytest.raises(SettingError, match="TRACKS_AUTOMATION='disabled' is neither on"):
         AutomationSettings.from_env({"TRACKS_AUTOMATION": "disabled"})
     assert AutomationSettings.from_env({"TRACKS_AUTOMATION": "OFF"}).automation_on is False
-    assert AutomationSettings.from_env({}).automation_on is True
+    assert AutomationSettings.from_env({}).automation_on is False
 
 
 def test_a_bad_value_of_a_secret_url_variable_never_shows_its_password() -> None:

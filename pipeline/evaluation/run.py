@@ -18,9 +18,11 @@ from pipeline.evaluation.artifacts import FAILURES, RAW_OUTPUTS, write_artifacts
 from pipeline.evaluation.errors import CheckpointAttemptMismatchError, EvaluatorCrashError
 from pipeline.evaluation.eval_set import EvalSet
 from pipeline.evaluation.evaluators import get_evaluator
+from pipeline.evaluation.health import checkpoint_health
 from pipeline.ledger.ledger import utcnow
 from pipeline.ledger.records import EvaluationRecord
 from pipeline.states import EvaluationStatus, TerminationReason
+from pipeline.tracking import TERMINATION_DETAIL_TAG, TERMINATION_REASON_TAG
 
 # Drill hook: ``<evaluator>`` or ``<evaluator>:<n>`` makes that evaluator crash inside its
 # evaluation, the first ``n`` times for a checkpoint (counted from the ledger's failed rows, so it
@@ -69,6 +71,8 @@ def run_evaluation(
     started_at = utcnow()
     checkpoint, model = load_committed_checkpoint(checkpoint_dir)
     _check_attempt(checkpoint, run_id, attempt_no)
+    # The spike history the checkpoint carries is part of what was evaluated.
+    training_health = checkpoint_health(checkpoint.path, checkpoint.manifest_sha256)
     eval_set = snapshot if isinstance(snapshot, EvalSet) else EvalSet.from_snapshot(snapshot)
 
     evaluation_id = new_evaluation_id(evaluator.name)
@@ -108,14 +112,11 @@ def run_evaluation(
         )
     }
     record_fields["started_at"] = started_at
+    record_fields["training_health"] = training_health
 
     client = mlflow_client(settings)
     experiment_id = get_or_create_experiment(client, settings, EVALUATION_EXPERIMENT)
-    from pipeline.tracking import TRAINING_RUN_TAG, training_run_of
-
-    tags = _run_tags(provenance)
-    if training := training_run_of(client, run_id):
-        tags[TRAINING_RUN_TAG] = training  # MLflow's UI links the evaluation to its training
+    tags = _run_tags(client, provenance)
     mlflow_run = client.create_run(
         experiment_id,
         run_name=f"{evaluator.name} {run_id}#{attempt_no} step {checkpoint.step}",
@@ -135,8 +136,8 @@ def run_evaluation(
                 f"evaluator {evaluator.name} raised {type(exc).__name__} on checkpoint "
                 f"{checkpoint.path}: {_first_line(exc)}"
             )
-            client.set_tag(mlflow_run_id, "termination_reason", TerminationReason.EVALUATOR_CRASH)
-            client.set_tag(mlflow_run_id, "detail", detail[:5000])
+            client.set_tag(mlflow_run_id, TERMINATION_REASON_TAG, TerminationReason.EVALUATOR_CRASH)
+            client.set_tag(mlflow_run_id, TERMINATION_DETAIL_TAG, detail[:5000])
             ledger.record_evaluation(
                 EvaluationRecord(
                     **record_fields,
@@ -207,12 +208,19 @@ def _check_attempt(checkpoint: CommittedCheckpoint, run_id: str, attempt_no: int
         )
 
 
-def _run_tags(provenance: dict[str, Any]) -> dict[str, str]:
+def _run_tags(client: MlflowClient, provenance: dict[str, Any]) -> dict[str, str]:
+    """The evaluation run's tags: its provenance under the ``tracks.`` names the training run
+    and the model version use too (``tracks.run_id`` finds a run's training and evaluation runs
+    alike), the training run's MLflow id, and the Dagster run that evaluated, with its URL."""
+    from pipeline.mlflow_setup import dagster_run_url
+    from pipeline.tracking import DAGSTER_URL_TAG, TRAINING_RUN_TAG, training_run_of
+
     keys = (
         "evaluation_id",
         "run_id",
         "attempt_no",
         "checkpoint_path",
+        "checkpoint_step",
         "checkpoint_manifest_sha256",
         "snapshot_id",
         "evaluator_name",
@@ -220,7 +228,14 @@ def _run_tags(provenance: dict[str, Any]) -> dict[str, str]:
         "task_set_version",
         "dagster_run_id",
     )
-    return {key: str(provenance[key]) for key in keys if provenance.get(key) is not None}
+    tags = {
+        f"tracks.{key}": str(provenance[key]) for key in keys if provenance.get(key) is not None
+    }
+    if provenance.get("dagster_run_id"):
+        tags[DAGSTER_URL_TAG] = dagster_run_url(provenance["dagster_run_id"])
+    if training := training_run_of(client, provenance["run_id"]):
+        tags[TRAINING_RUN_TAG] = training  # MLflow's UI links the evaluation to its training
+    return tags
 
 
 def _log_params(client: MlflowClient, mlflow_run_id: str, provenance: dict[str, Any]) -> None:
@@ -267,7 +282,7 @@ def _log_result(
         for path in write_artifacts(result, Path(tmp), title=title, provenance=provenance):
             client.log_artifact(mlflow_run_id, str(path))
         raw_outputs_sha256 = sha256_file(Path(tmp) / RAW_OUTPUTS)
-    client.set_tag(mlflow_run_id, "raw_outputs_sha256", raw_outputs_sha256)
+    client.set_tag(mlflow_run_id, "tracks.raw_outputs_sha256", raw_outputs_sha256)
     return raw_outputs_sha256
 
 

@@ -9,12 +9,14 @@ from pipeline.ledger.errors import (
     UnknownSnapshotError,
 )
 from pipeline.ledger.ledger import Ledger
+from pipeline.ledger.notes import InvalidNoteError
 from pipeline.ledger.records import (
     AttemptRecord,
     AttemptStart,
     CheckpointRecord,
     CostRow,
     EvaluationRecord,
+    NoteRecord,
     PromotionRecord,
     RunRecord,
     SnapshotCheckRecord,
@@ -27,8 +29,10 @@ __all__ = [
     "CheckpointRecord",
     "CostRow",
     "EvaluationRecord",
+    "InvalidNoteError",
     "Ledger",
     "LedgerError",
+    "NoteRecord",
     "PromotionRecord",
     "RunRecord",
     "SnapshotCheckRecord",

@@ -30,12 +30,19 @@ from pipeline.ledger.errors import (
     UnknownRunError,
     UnknownSnapshotError,
 )
+from pipeline.ledger.notes import (
+    MAX_AUTHOR_CHARS,
+    MAX_SOURCE_CHARS,
+    note_text,
+    one_line_name,
+)
 from pipeline.ledger.records import (
     AttemptRecord,
     AttemptStart,
     CheckpointRecord,
     CostRow,
     EvaluationRecord,
+    NoteRecord,
     PromotionRecord,
     RunRecord,
     SnapshotCheckRecord,
@@ -635,6 +642,18 @@ class Ledger:
             )
         )
 
+    def set_attempt_health(self, run_id: str, attempt_no: int, health: dict[str, Any]) -> None:
+        """The attempt's loss-spike settings and history, whole (the trainer rewrites it at
+        every event)."""
+        t = schema.training_attempts
+        self._tx(
+            lambda conn: conn.execute(
+                sa.update(t)
+                .where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
+                .values(health=health)
+            )
+        )
+
     def set_retry_decision(self, run_id: str, attempt_no: int, decision: dict[str, Any]) -> None:
         t = schema.training_attempts
         self._tx(
@@ -682,6 +701,9 @@ class Ledger:
             "attempt_no": attempt_no,
             "step": step,
             "state": str(CheckpointState.WRITING),
+            # A save under the name of a checkpoint a loss spike's rollback superseded starts a
+            # record of its own: not the old one's "rolled back past it".
+            "state_detail": None,
             "created_at": utcnow(),
             "parent_path": parent_path,
             "fencing_token": fencing_token,
@@ -1036,6 +1058,67 @@ class Ledger:
     def current_champion(self, model_name: str) -> PromotionRecord | None:
         promoted = self.promotions(model_name=model_name, decision=PromotionDecision.PROMOTED)
         return promoted[0] if promoted else None
+
+    # -- the logbook ---------------------------------------------------------------------------
+
+    def add_note(
+        self,
+        run_id: str,
+        text: str,
+        *,
+        author: str,
+        source: str,
+        attempt_no: int | None = None,
+    ) -> NoteRecord:
+        """Append a note to run ``run_id`` (or to its attempt ``attempt_no``); never edits one.
+
+        Refused before anything is written: an invalid id, text that is empty, longer than
+        2000 characters or holds a control character other than a newline, an empty author or
+        source (:class:`~pipeline.ledger.notes.InvalidNoteError`); a run or attempt the ledger
+        does not hold (:class:`UnknownRunError`, :class:`UnknownAttemptError`). URL passwords
+        in the text are masked.
+        """
+        ids.run_id(run_id)
+        if attempt_no is not None:
+            ids.attempt_no(attempt_no)
+        values = {
+            "run_id": run_id,
+            "attempt_no": attempt_no,
+            "text": note_text(text),
+            "author": one_line_name(author, "author", MAX_AUTHOR_CHARS),
+            "source": one_line_name(source, "source", MAX_SOURCE_CHARS),
+            # Made once per call: a retried transaction whose first COMMIT did land finds it.
+            "note_uid": str(uuid.uuid4()),
+        }
+        t, runs, attempts = schema.notes, schema.training_runs, schema.training_attempts
+
+        def _add(conn: Connection) -> Any:
+            done = conn.execute(sa.select(t).where(t.c.note_uid == values["note_uid"])).first()
+            if done is not None:
+                return done
+            run = conn.execute(sa.select(runs.c.run_id).where(runs.c.run_id == run_id)).first()
+            if run is None:
+                raise UnknownRunError(run_id)
+            if attempt_no is not None:
+                found = conn.execute(
+                    sa.select(attempts.c.attempt_no).where(
+                        attempts.c.run_id == run_id, attempts.c.attempt_no == attempt_no
+                    )
+                ).first()
+                if found is None:
+                    raise UnknownAttemptError(run_id, attempt_no)
+            conn.execute(sa.insert(t).values(created_at=utcnow(), **values))
+            return conn.execute(sa.select(t).where(t.c.note_uid == values["note_uid"])).one()
+
+        return NoteRecord.from_row(self._tx(_add))
+
+    def notes(self, run_id: str) -> list[NoteRecord]:
+        """Every note on run ``run_id`` and on its attempts, oldest first."""
+        t = schema.notes
+        return self._records(
+            sa.select(t).where(t.c.run_id == run_id).order_by(t.c.created_at, t.c.note_id),
+            NoteRecord,
+        )
 
 
 def _first(exc: BaseException) -> str:

@@ -71,6 +71,9 @@ class AttemptRecord(_Record):
     admission: dict[str, Any] | None = None
     restored_step: int | None = None  # the step its checkpoint restored (0: fresh start)
     timings: dict[str, Any] | None = None  # what each clock measured, in seconds
+    # The loss-spike detector's settings and the lineage's history (pipeline/trainer/spikes.py):
+    # what the restored checkpoint carried, then every spike this attempt saw, with totals.
+    health: dict[str, Any] | None = None
 
     @property
     def key(self) -> str:
@@ -121,6 +124,10 @@ class EvaluationRecord(_Record):
     mlflow_run_id: str | None = None
     dagster_run_id: str | None = None
     ended_at: datetime | None = None
+    # The loss-spike history the checkpoint's verified trainer state carries (settings, events,
+    # totals: spikes, skipped_updates, rollbacks, stops, skipped_batches); None for a checkpoint
+    # written without a detector. pipeline/evaluation/health.py.
+    training_health: dict[str, Any] | None = None
 
     # Provenance fields that must be present and non-empty for a promotion to count this row.
     PROVENANCE_FIELDS = (
@@ -217,3 +224,25 @@ class SnapshotCheckRecord(_Record):
     checked_at: datetime
     detail: dict[str, Any] | None = None
     dagster_run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class NoteRecord(_Record):
+    """One logbook entry: a person's note on a run (``attempt_no`` None) or on one attempt.
+
+    Only ever added, never edited: why a learning rate changed, why a run was restarted.
+    """
+
+    note_id: int  # rises with every note in this ledger: "note 7"
+    run_id: str
+    author: str  # who wrote it: ``--author``, the OS user, or who launched the Dagster run
+    source: str  # where it was written: "cli", "dagster launch <Dagster run id>", ...
+    created_at: datetime
+    text: str  # stripped, at most 2000 characters, URL passwords masked
+    attempt_no: int | None = None
+    note_uid: str | None = None
+
+    @property
+    def target(self) -> str:
+        """``RUN`` or ``RUN#N``: what the note is on, as ``tracks note`` and ``explain`` name it."""
+        return self.run_id if self.attempt_no is None else f"{self.run_id}#{self.attempt_no}"

@@ -71,6 +71,8 @@ training_attempts = sa.Table(
     sa.Column("restored_step", sa.Integer),
     # What each clock measured: receipt (start to end), trainer process, setup, training loop.
     sa.Column("timings", JSONType),
+    # The loss-spike detector's settings and the lineage's spike history (migration 0007).
+    sa.Column("health", JSONType),
     # The cost question filters on family and time and sums by reason: an index that covers it.
     sa.Index(
         "ix_training_attempts_family_started",
@@ -136,6 +138,8 @@ evaluations = sa.Table(
     sa.Column("dagster_run_id", sa.String(64)),
     sa.Column("started_at", UTCDateTime, nullable=False),
     sa.Column("ended_at", UTCDateTime),
+    # The spike history the evaluated checkpoint carries (migration 0007).
+    sa.Column("training_health", JSONType),
     sa.Index("ix_evaluations_checkpoint", "checkpoint_manifest_sha256", "evaluator_name"),
 )
 
@@ -211,4 +215,23 @@ snapshot_check_history = sa.Table(
     sa.Column("checked_at", UTCDateTime, nullable=False),
     sa.Column("dagster_run_id", sa.String(64)),
     sa.Index("ix_snapshot_check_history_snapshot", "snapshot_id", "checked_at"),
+)
+
+# The logbook: short human notes on a run or one attempt, append-only (migration 0006 adds
+# triggers that refuse UPDATE and DELETE on both databases). A run's note leaves attempt_no
+# empty; an attempt's is checked by Ledger.add_note, not by a foreign key to training_attempts,
+# which SQLite would enforce while a batch migration recreates that table.
+notes = sa.Table(
+    "notes",
+    metadata,
+    sa.Column("note_id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("run_id", sa.String(128), sa.ForeignKey("training_runs.run_id"), nullable=False),
+    sa.Column("attempt_no", sa.Integer),
+    sa.Column("author", sa.String(128), nullable=False),
+    sa.Column("source", sa.String(128), nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("text", sa.Text, nullable=False),
+    # One uid per add_note call: a retried transaction that already committed finds its row.
+    sa.Column("note_uid", sa.String(36), unique=True),
+    sa.Index("ix_notes_run", "run_id", "created_at"),
 )

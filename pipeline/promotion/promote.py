@@ -1,19 +1,26 @@
 """Promotion: gate a committed checkpoint, register it in MLflow and move the ``champion`` alias.
 
-Before the gate, a champion with no evaluation the headline comparison can pair with the
+Before the gate, a candidate whose model weights are byte-identical to the champion's (the
+digest of ``model.safetensors`` in the two committed manifests: the same snapshot, config and
+code train bit-identical weights on CPU) is recorded ``unchanged``, "identical to the champion
+(version N, run R)": no new model version, the alias stays where it is. Retraining on data that
+did not change so leaves the registry as it was, and the ledger says why.
+
+Before the gate, too, a champion with no evaluation the headline comparison can pair with the
 candidate's (same task set, same evaluator version, digested raw outputs) is evaluated on the
 promotion's snapshot (see ``baseline``).
 
-Order of writes on a pass: MLflow model version (tagged back to run, attempt, checkpoint,
-snapshot and evaluations), then the alias (only if the champion is still the version
-the gate compared against), then the ledger row. A crash between the alias and
-the ledger is repaired by the next call: the alias already points at this checkpoint, so the
-version is reused instead of registered twice.
+Order of writes on a pass: the served model, logged as an MLflow model (signature, input
+example) into the candidate's TRAINING run (``runs:/<training run>/model``), then the model
+version registered from it (tagged back to run, attempt, checkpoint, snapshot and
+evaluations), then the alias (only if the champion is still the version the gate compared
+against), then the ledger row. A crash between the alias and the ledger is repaired by the next
+call: the alias already points at this checkpoint, so the version is reused instead of
+registered twice; a crash before the alias leaves a logged model the next call reuses.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -32,15 +39,17 @@ from pipeline.serving.registry import promotion_for_version, registered_champion
 from pipeline.states import PromotionDecision
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Sequence
 
     from mlflow import MlflowClient
     from mlflow.entities.model_registry import ModelVersion
 
-    from pipeline.ledger import Ledger
+    from pipeline.ledger import EvaluationRecord, Ledger
     from pipeline.serving.champion import StagedServedFiles
     from pipeline.serving.loading import CommittedCheckpoint
     from pipeline.settings import TracksSettings
+
+log = logging.getLogger(__name__)
 
 _SERVING_REQUIREMENTS = ("mlflow", "torch", "safetensors", "numpy", "pandas")
 
@@ -96,6 +105,19 @@ def promote(
     champion_row = promotion_for_version(ledger, model_name, previous) if previous else None
     reevaluation = None
     if champion_row is not None and champion_sha != checkpoint.manifest_sha256:
+        # Weights identical to the champion's: nothing to gate, nothing to register.
+        unchanged = _identical_to_champion(
+            checkpoint,
+            champion_row,
+            candidate_evaluations,
+            run_id=run_id,
+            attempt_no=attempt_no,
+            snapshot_id=snapshot_id,
+            dagster_run_id=dagster_run_id,
+        )
+        if unchanged is not None:
+            _tag_training_run(client, run_id, unchanged.reason)
+            return ledger.record_promotion(unchanged)
         from pipeline.promotion.baseline import reevaluate_champion_if_needed
 
         reevaluation = reevaluate_champion_if_needed(
@@ -149,6 +171,7 @@ def promote(
         dagster_run_id=dagster_run_id,
     )
     if not decision.passed:
+        _tag_training_run(client, run_id, record.reason)
         return ledger.record_promotion(record)
 
     from pipeline.serving.champion import serving_manifest, stage_served_files
@@ -162,7 +185,7 @@ def promote(
             if existing is not None:
                 return existing  # already the champion, and already recorded
             version = str(champion.version)
-            previous = champion.tags.get("previous_champion_version")
+            previous = _version_tag(champion, "previous_champion_version")
         else:
             evaluations = dict(decision.details["evaluations"])
             version = _register(
@@ -179,6 +202,7 @@ def promote(
         # What serving verifies before it loads a byte of this version.
         vouched = serving_manifest(staged)
 
+    _tag_training_run(client, run_id, f"promoted: {model_name} version {version}")
     return ledger.record_promotion(
         dataclasses.replace(
             record,
@@ -223,6 +247,87 @@ def _champion_changed(
     return dataclasses.replace(record, reason=reason, gate=gate, decided_at=utcnow())
 
 
+def _identical_to_champion(
+    checkpoint: CommittedCheckpoint,
+    champion: PromotionRecord,
+    candidate_evaluations: Sequence[EvaluationRecord],
+    *,
+    run_id: str,
+    attempt_no: int,
+    snapshot_id: str,
+    dagster_run_id: str | None,
+) -> PromotionRecord | None:
+    """The ``unchanged`` record when the candidate's weights are the champion's, else None.
+
+    Compares the digest of the model tensors file the candidate's committed manifest records
+    with the one the champion's promotion vouched for (its serving manifest, taken from the
+    champion's committed manifest). Equal tensors (names, shapes, dtypes, values) are the same
+    model: the digits models differ otherwise only in dropout, which eval mode does not apply.
+    A sharded checkpoint, an exported champion or digests in two algorithms are not compared
+    (None): the gate and a new version follow as before.
+    """
+    from pipeline.promotion.gate import newest_complete
+    from pipeline.serving.champion import committed_weights_digest
+
+    served = (champion.serving_manifest or {}).get("files", {}).get("weights") or {}
+    if not served or served.get("exported_from"):
+        return None
+    candidate = committed_weights_digest(checkpoint.path, checkpoint.manifest_sha256)
+    if candidate is None or (candidate["algorithm"], candidate["digest"]) != (
+        served.get("algorithm"),
+        served.get("digest"),
+    ):
+        return None
+    version = str(champion.model_version)
+    reason = (
+        f"Identical to the champion (version {version}, run {champion.run_id}): "
+        f"{candidate['name']} has the same {candidate['algorithm']} {candidate['digest'][:16]} "
+        f"as the weights promoted from {champion.run_id}#{champion.attempt_no}; no new version "
+        f"of {champion.model_name} was registered and the {CHAMPION_ALIAS} alias stays on "
+        f"version {version}."
+    )
+    evaluations = newest_complete(candidate_evaluations, checkpoint.manifest_sha256)
+    return PromotionRecord(
+        promotion_id=f"promo-{uuid.uuid4().hex[:12]}",
+        run_id=run_id,
+        attempt_no=attempt_no,
+        checkpoint_path=checkpoint.path,
+        checkpoint_manifest_sha256=checkpoint.manifest_sha256,
+        snapshot_id=snapshot_id,
+        decision=str(PromotionDecision.UNCHANGED),
+        reason=reason,
+        evaluation_ids=[e.evaluation_id for e in evaluations.values()],
+        gate={
+            "identical_to_champion": {
+                "model_version": version,
+                "run_id": champion.run_id,
+                "attempt_no": champion.attempt_no,
+                "promotion_id": champion.promotion_id,
+                "checkpoint_manifest_sha256": champion.checkpoint_manifest_sha256,
+                "weights": candidate,
+            },
+            "reasons": [],
+        },
+        model_name=champion.model_name,
+        decided_at=utcnow(),
+        # The version that serves these weights; the alias did not move.
+        model_version=version,
+        previous_champion_version=version,
+        dagster_run_id=dagster_run_id,
+    )
+
+
+def _tag_training_run(client: MlflowClient, run_id: str, sentence: str) -> None:
+    """The decision on the candidate's MLflow training run, for whoever reads it there."""
+    from pipeline.tracking import PROMOTION_TAG, training_run_of
+
+    try:
+        if training := training_run_of(client, run_id):
+            client.set_tag(training, PROMOTION_TAG, sentence[:5000])
+    except Exception as exc:  # the ledger row is the record; this tag is a courtesy
+        log.warning("MLflow training run of %s not tagged with its promotion: %s", run_id, exc)
+
+
 class UnvouchedCheckpointError(Exception):
     """A checkpoint the ledger does not record as committed with the bytes on disk."""
 
@@ -254,7 +359,13 @@ def _champion_manifest_sha(
     row = promotion_for_version(ledger, model_name, str(champion.version))
     if row is not None:
         return row.checkpoint_manifest_sha256
-    return champion.tags.get("checkpoint_manifest_sha256")
+    return _version_tag(champion, "checkpoint_manifest_sha256")
+
+
+def _version_tag(version: ModelVersion, key: str) -> str | None:
+    """Tag ``tracks.<key>`` of a model version; versions Tracks registered before its tags took
+    the ``tracks.`` prefix carry it as plain ``<key>``."""
+    return version.tags.get(f"tracks.{key}") or version.tags.get(key)
 
 
 def _register(
@@ -267,60 +378,117 @@ def _register(
     decision: GateDecision,
     staged: StagedServedFiles,
 ) -> str:
-    """Log the checkpoint as a models-from-code pyfunc and register a tagged model version."""
-    import mlflow
+    """Log the served model into the candidate's training run and register a tagged version
+    of that logged model (run id: the training run's).
 
-    from pipeline.mlflow_setup import PROMOTION_EXPERIMENT, get_or_create_experiment
-    from pipeline.serving import MODEL_CODE_PATH
+    The version's source is the logged model (``models:/<model id>``), as MLflow 3 registers
+    the models it logs itself. Its ``runs:/<training run>/model`` name is no source for a
+    version: MLflow 3.17's registry resolves such a source by downloading the run's own
+    ``model/`` folder first, and hands back the folder above the model when the run has none.
+    """
+    from pipeline.mlflow_setup import dagster_run_url
+    from pipeline.tracking import TRAINING_EXPERIMENT, TRAINING_RUN_TAG, ensure_training_run
 
     tags: dict[str, str] = {
-        "promotion_id": record.promotion_id,
-        "run_id": record.run_id,
-        "attempt_no": str(record.attempt_no),
-        "checkpoint_path": checkpoint.path,
-        "checkpoint_step": str(checkpoint.step),
-        "checkpoint_manifest_sha256": checkpoint.manifest_sha256,
-        "snapshot_id": record.snapshot_id,
-        "evaluation_ids": ",".join(evaluations.values()),
-        **{f"evaluation.{name}": evaluation_id for name, evaluation_id in evaluations.items()},
+        "tracks.promotion_id": record.promotion_id,
+        "tracks.run_id": record.run_id,
+        "tracks.attempt_no": str(record.attempt_no),
+        "tracks.checkpoint_path": checkpoint.path,
+        "tracks.checkpoint_step": str(checkpoint.step),
+        "tracks.checkpoint_manifest_sha256": checkpoint.manifest_sha256,
+        "tracks.snapshot_id": record.snapshot_id,
+        "tracks.evaluation_ids": ",".join(evaluations.values()),
+        **{f"tracks.evaluation.{name}": evaluation for name, evaluation in evaluations.items()},
     }
     if record.previous_champion_version:
-        tags["previous_champion_version"] = record.previous_champion_version
+        tags["tracks.previous_champion_version"] = record.previous_champion_version
     if record.dagster_run_id:
-        tags["dagster_run_id"] = record.dagster_run_id
-    from pipeline.tracking import TRAINING_RUN_TAG, training_run_of
-
-    if training := training_run_of(client, record.run_id):
-        tags[TRAINING_RUN_TAG] = training
-
-    experiment_id = get_or_create_experiment(client, settings, PROMOTION_EXPERIMENT)
-    with mlflow.start_run(
-        experiment_id=experiment_id,
-        run_name=f"promote {model_name} {record.run_id}#{record.attempt_no}",
-        tags=tags,
-    ) as run:
-        mlflow.log_dict(decision.details, "gate.json")
-        with _quiet("mlflow.pyfunc"):
-            info = mlflow.pyfunc.log_model(
-                name="model",
-                python_model=str(MODEL_CODE_PATH),
-                artifacts={
-                    "weights": str(staged.weights),
-                    "trainer_state": str(staged.trainer_state),
-                },
-                pip_requirements=_pip_requirements(),
-                # No signature: with one, MLflow would refuse the ndarray input predict() takes.
-            )
+        tags["tracks.dagster_run_id"] = record.dagster_run_id
+        tags["tracks.dagster_run_url"] = dagster_run_url(record.dagster_run_id)
+    location = (settings.mlflow_artifact_root / TRAINING_EXPERIMENT).resolve().as_uri()
+    training = ensure_training_run(client, record.run_id, location)
+    tags[TRAINING_RUN_TAG] = training
+    # The gate's details in the training run, one folder per promotion.
+    client.log_dict(training, decision.details, f"promotions/{record.promotion_id}/gate.json")
+    model_id = _log_served_model(client, settings, training, checkpoint, record, staged)
     _ensure_registered_model(client, model_name)
     version = client.create_model_version(
         name=model_name,
-        source=info.model_uri,
-        run_id=run.info.run_id,
+        source=f"models:/{model_id}",
+        run_id=training,
         tags=tags,
         description=decision.summary(),
-        model_id=info.model_id,
+        model_id=model_id,
     )
     return str(version.version)
+
+
+def _log_served_model(
+    client: MlflowClient,
+    settings: TracksSettings,
+    training: str,
+    checkpoint: CommittedCheckpoint,
+    record: PromotionRecord,
+    staged: StagedServedFiles,
+) -> str:
+    """The served model as an MLflow model of the training run (``runs:/<run>/model``); its id.
+
+    A models-from-code pyfunc (no pickle) with the staged, verified weights and trainer state,
+    the signature and a real input example. A model this run already logged for this very
+    checkpoint (an earlier promotion that stopped before the alias) is reused, so
+    ``runs:/<run>/model`` names one model; another checkpoint of the same run is logged as
+    ``model-step-<step>``.
+    """
+    import mlflow.pyfunc
+    from mlflow.entities import LoggedModelStatus
+    from mlflow.models import Model
+
+    from pipeline.serving import MODEL_CODE_PATH
+    from pipeline.serving.signature import input_example, model_signature
+
+    experiment_id = client.get_run(training).info.experiment_id
+    mine = [
+        m
+        for m in client.search_logged_models([experiment_id], filter_string="name LIKE 'model%'")
+        if m.source_run_id == training
+    ]
+    for logged in mine:
+        same = logged.tags.get("tracks.checkpoint_manifest_sha256") == checkpoint.manifest_sha256
+        if same and logged.status == LoggedModelStatus.READY:
+            return logged.model_id
+    name = "model" if not any(m.name == "model" for m in mine) else f"model-step-{checkpoint.step}"
+    created = client.create_logged_model(
+        experiment_id=experiment_id,
+        name=name,
+        source_run_id=training,
+        params=client.get_run(training).data.params,  # the resolved training config
+        tags={
+            "tracks.run_id": record.run_id,
+            "tracks.attempt_no": str(record.attempt_no),
+            "tracks.checkpoint_path": checkpoint.path,
+            "tracks.checkpoint_step": str(checkpoint.step),
+            "tracks.checkpoint_manifest_sha256": checkpoint.manifest_sha256,
+            "tracks.snapshot_id": record.snapshot_id,
+        },
+        model_type="digits-cnn",
+    )
+    # Model.log with the model made above: it logs into the training run without making it the
+    # process's active run (mlflow.start_run would end it FINISHED on the way out).
+    Model.log(
+        None,
+        name=name,
+        flavor=mlflow.pyfunc,
+        flavor_name="pyfunc.ModelFromCode",
+        model_id=created.model_id,
+        run_id=training,
+        python_model=str(MODEL_CODE_PATH),
+        artifacts={"weights": str(staged.weights), "trainer_state": str(staged.trainer_state)},
+        signature=model_signature(),
+        input_example=input_example(settings.snapshot_root, record.snapshot_id),
+        pip_requirements=_pip_requirements(),
+    )
+    client.finalize_logged_model(created.model_id, LoggedModelStatus.READY)
+    return created.model_id
 
 
 def _ensure_registered_model(client: MlflowClient, model_name: str) -> None:
@@ -333,18 +501,6 @@ def _ensure_registered_model(client: MlflowClient, model_name: str) -> None:
     except MlflowException as exc:
         if exc.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
             raise
-
-
-@contextlib.contextmanager
-def _quiet(logger_name: str) -> Iterator[None]:
-    # log_model warns on every call that it cannot infer a signature; we log none on purpose.
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _pip_requirements() -> list[str]:

@@ -176,6 +176,44 @@ def serving_manifest(staged: StagedServedFiles) -> dict[str, Any]:
     return {"checkpoint_manifest_sha256": staged.manifest_sha256, "files": files}
 
 
+def committed_weights_digest(
+    checkpoint_dir: str | Path, checkpoint_manifest_sha256: str
+) -> dict[str, str] | None:
+    """The model tensors file's digest as the committed manifest records it, or None.
+
+    ``{"name", "algorithm", "digest"}`` of ``model.safetensors``, read from the checkpoint's
+    ``MANIFEST.json`` only after that file hashes to ``checkpoint_manifest_sha256`` (the
+    ledger's); a link is never followed. None for a sharded checkpoint, whose weights are spread
+    over shards (only the export promotion stages has one digest). Raises
+    :class:`ServedFilesChangedError` when the manifest is not the committed one.
+    """
+    import json
+
+    from pipeline.checkpoint.layout import SHARDED_FORMAT
+    from pipeline.digests import sha256_bytes
+
+    source = Path(checkpoint_dir)
+    raw = _read_nofollow(source / MANIFEST_NAME, source)
+    if (actual := sha256_bytes(raw)) != checkpoint_manifest_sha256:
+        raise ServedFilesChangedError(
+            source,
+            f"{MANIFEST_NAME} now has sha256 {actual}, the ledger committed "
+            f"{checkpoint_manifest_sha256}",
+        )
+    manifest = json.loads(raw)
+    if manifest.get("format") == SHARDED_FORMAT:
+        return None
+    name = SERVED_ARTIFACTS["weights"]
+    entry = next((e for e in manifest["files"] if e.get("name") == name), None)
+    if entry is None:
+        raise ServedFilesChangedError(source, f"{name} is not listed in {MANIFEST_NAME}")
+    try:
+        algorithm, digest = recorded_digest(entry)
+    except ValueError as exc:
+        raise ServedFilesChangedError(source, f"{name}: {exc}") from exc
+    return {"name": name, "algorithm": algorithm.value, "digest": digest}
+
+
 def _export_sharded(source: Path, checkpoint_manifest_sha256: str, target: Path) -> None:
     import safetensors.torch
 
@@ -280,6 +318,8 @@ def load_champion(
     import mlflow
 
     with tempfile.TemporaryDirectory(prefix="tracks-champion-") as tmp:
+        # What the registry serves for the version (the logged model of its source): every
+        # byte of it is checked below, and an extra file is refused.
         local = Path(
             mlflow.artifacts.download_artifacts(
                 artifact_uri=f"models:/{model_name}/{number}",

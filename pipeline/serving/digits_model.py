@@ -25,8 +25,9 @@ class DigitsClassifier(PythonModel):
             context.artifacts["weights"], context.artifacts["trainer_state"]
         )
 
-    # Annotated as a DataFrame, a type MLflow neither validates nor infers a signature from;
-    # an ndarray of rows of 64 pixels (or [N, 8, 8] images) works as well.
+    # Through pyfunc, MLflow first enforces the logged signature (pipeline/serving/signature.py):
+    # a DataFrame with the 64 integer pixel columns. The ndarray path (rows of 64 pixels, or
+    # [N, 8, 8] images) serves callers of this class itself.
     def predict(
         self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None
     ) -> np.ndarray:
