@@ -60,3 +60,6 @@ class EvaluationStatus(StrEnum):
 class PromotionDecision(StrEnum):
     PROMOTED = "promoted"
     REFUSED = "refused"
+    # The candidate's weights are byte-identical to the champion's: no new version was
+    # registered and the alias did not move (the row names the champion's version and run).
+    UNCHANGED = "unchanged"

@@ -369,13 +369,14 @@ class TrainingTracker:
     def _log(self, points: list[Any], tags: Mapping[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        items = [RunTag(k, v) for k, v in tags.items()]
+        # Synchronous on this thread whatever MLFLOW_ENABLE_ASYNC_LOGGING says: its errors and
+        # its flushes are this tracker's to see.
+        run, items = self._mlflow_run_id, [RunTag(k, v) for k, v in tags.items()]
         for start in range(0, len(points), _BATCH_METRICS):
-            self._client.log_batch(
-                self._mlflow_run_id, metrics=points[start : start + _BATCH_METRICS]
-            )
+            batch = points[start : start + _BATCH_METRICS]
+            self._client.log_batch(run, metrics=batch, synchronous=True)
         for start in range(0, len(items), _BATCH_TAGS):
-            self._client.log_batch(self._mlflow_run_id, tags=items[start : start + _BATCH_TAGS])
+            self._client.log_batch(run, tags=items[start : start + _BATCH_TAGS], synchronous=True)
 
     def _setup(self) -> None:
         from mlflow import MlflowClient

@@ -114,11 +114,14 @@ def test_evaluation_records_complete_provenance_and_artifacts(
     assert run.info.status == "FINISHED"
     assert client.get_experiment(run.info.experiment_id).name == "tracks-evaluation"
     tags = run.data.tags
-    assert tags["run_id"] == RUN_ID and tags["attempt_no"] == "1"
-    assert tags["checkpoint_manifest_sha256"] == record.checkpoint_manifest_sha256
-    assert tags["snapshot_id"] == world.snapshot.snapshot_id
-    assert (tags["evaluator_name"], tags["evaluator_version"]) == (name, evaluator.version)
-    assert tags["evaluation_id"] == record.evaluation_id
+    assert tags["tracks.run_id"] == RUN_ID and tags["tracks.attempt_no"] == "1"
+    assert tags["tracks.checkpoint_manifest_sha256"] == record.checkpoint_manifest_sha256
+    assert tags["tracks.snapshot_id"] == world.snapshot.snapshot_id
+    assert (tags["tracks.evaluator_name"], tags["tracks.evaluator_version"]) == (
+        name,
+        evaluator.version,
+    )
+    assert tags["tracks.evaluation_id"] == record.evaluation_id
     params = run.data.params
     assert params["task_set_version"] == record.task_set_version
     assert params["evaluator_env_digest"] == record.evaluator_env_digest
@@ -189,7 +192,7 @@ def test_evaluator_crash_records_failed_row_and_raises(
     assert row.metrics is None and row.raw_outputs_uri is None
     run = MlflowClient(world.settings.mlflow_tracking_uri).get_run(row.mlflow_run_id)
     assert run.info.status == "FAILED"
-    assert run.data.tags["termination_reason"] == "evaluator_crash"
+    assert run.data.tags["tracks.termination_reason"] == "evaluator_crash"
 
 
 LEAKY_URL = "postgresql://tracks:hunter2@db/ledger"
@@ -213,7 +216,7 @@ def test_evaluator_crash_quotes_no_password_anywhere(
     [row] = ledger.evaluations_for_checkpoint(manifest_sha256(good_checkpoint))
     assert row.detail and "RuntimeError" in row.detail and "hunter2" not in row.detail
     run = MlflowClient(world.settings.mlflow_tracking_uri).get_run(row.mlflow_run_id)
-    assert "hunter2" not in run.data.tags["detail"]
+    assert "hunter2" not in run.data.tags["tracks.termination_detail"]
 
 
 def test_evaluator_crash_error_message_is_redacted() -> None:

@@ -99,10 +99,10 @@ def test_whole_path_promotes_a_champion_whose_tags_lead_back(deployment: str) ->
     champion = client.get_model_version_by_alias(promotion.model_name, "champion")
     assert str(champion.version) == promotion.model_version
     tags = champion.tags
-    assert tags["run_id"] == run.run_id
-    assert tags["attempt_no"] == "1"
-    assert tags["checkpoint_manifest_sha256"] == final.manifest_sha256
-    assert tags["snapshot_id"] == snapshot
+    assert tags["tracks.run_id"] == run.run_id
+    assert tags["tracks.attempt_no"] == "1"
+    assert tags["tracks.checkpoint_manifest_sha256"] == final.manifest_sha256
+    assert tags["tracks.snapshot_id"] == snapshot
     # The training run is one MLflow run with its curves, found by the ledger run id.
     from pipeline.tracking import RUN_TAG, TRAINING_EXPERIMENT
 
@@ -114,7 +114,7 @@ def test_whole_path_promotes_a_champion_whose_tags_lead_back(deployment: str) ->
     assert tags["tracks.training_mlflow_run"] == training.info.run_id
     evaluations = ledger.evaluations_for_checkpoint(final.manifest_sha256)
     assert {e.evaluator_name for e in evaluations} == {"holdout_accuracy", "noise_robustness"}
-    assert set(tags["evaluation_ids"].split(",")) == {e.evaluation_id for e in evaluations}
+    assert set(tags["tracks.evaluation_ids"].split(",")) == {e.evaluation_id for e in evaluations}
     for evaluation in evaluations:
         assert evaluation.missing_provenance() == []
         assert evaluation.mlflow_run_id

@@ -9,7 +9,6 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import pytest
-import torch
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
@@ -33,7 +32,13 @@ from tests.evaluation_support import (
     without_class,
     write_checkpoint,
 )
-from tests.promotion_support import PIXELS, crown, evaluate_checkpoint, promote_checkpoint
+from tests.promotion_support import (
+    PIXELS,
+    crown,
+    evaluate_checkpoint,
+    nudged,
+    promote_checkpoint,
+)
 
 # Thresholds out of the way, so a test sees only the rule it is about.
 SLICES_ONLY = QualityGate(min_metrics={}, max_slice_regression=0.03)
@@ -224,7 +229,7 @@ def test_second_promotion_records_the_previous_champion(world: World, tmp_path: 
     assert promote_checkpoint(world, ledger, first, "run-1", name).model_version == "1"
 
     # Other weights, a hair apart (no prediction changes): a new checkpoint, no regression.
-    second = write_checkpoint(tmp_path, _nudged(world.good_state), run_id="run-2", step=800)
+    second = write_checkpoint(tmp_path, nudged(world.good_state), run_id="run-2", step=800)
     assert manifest_sha256(second) != manifest_sha256(first)
     evaluate_checkpoint(world, ledger, second, "run-2")
     record = promote_checkpoint(world, ledger, second, "run-2", name)
@@ -235,14 +240,6 @@ def test_second_promotion_records_the_previous_champion(world: World, tmp_path: 
     version = champion_version(world.settings, name)
     assert str(version.version) == "2" and version.tags["tracks.previous_champion_version"] == "1"
     assert ledger.current_champion(name) == record
-
-
-def _nudged(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same model but for one output bias moved by 1e-4: other bytes, the same answers."""
-    nudged = {k: v.clone() for k, v in state.items()}
-    bias = [k for k in nudged if k.endswith(".bias")][-1]
-    nudged[bias][0] += 1e-4
-    return nudged
 
 
 def test_retraining_to_identical_weights_registers_no_new_version(

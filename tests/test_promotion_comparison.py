@@ -32,7 +32,7 @@ from tests.evaluation_support import (
     shared_world,
     write_checkpoint,
 )
-from tests.promotion_support import evaluate_checkpoint, promote_checkpoint
+from tests.promotion_support import evaluate_checkpoint, nudged, promote_checkpoint
 
 RUNS = ("run-champion", "run-candidate")
 
@@ -258,7 +258,8 @@ def test_a_champion_that_cannot_be_re_evaluated_refuses_naming_why(
     _evaluate_on(world, ledger, checkpoint, RUNS[0], older)
     assert promote_checkpoint(world, ledger, checkpoint, RUNS[0], name).model_version == "1"
     shutil.rmtree(checkpoint)  # retention, or a person, removed the champion's checkpoint
-    candidate = write_checkpoint(tmp_path / "candidate", world.good_state, run_id=RUNS[1])
+    # Not the champion's weights to the byte (those would be recorded unchanged, not gated).
+    candidate = write_checkpoint(tmp_path / "candidate", nudged(world.good_state), run_id=RUNS[1])
     evaluate_checkpoint(world, ledger, candidate, RUNS[1])
 
     record = promote_checkpoint(world, ledger, candidate, RUNS[1], name)

@@ -14,7 +14,13 @@ from pipeline.digests import sha256_bytes
 from pipeline.ledger import EvaluationRecord, Ledger, PromotionRecord
 from pipeline.states import PromotionDecision
 from tests.evaluation_support import World, open_ledger, shared_world, write_checkpoint
-from tests.promotion_support import PIXELS, crown, evaluate_checkpoint, promote_checkpoint
+from tests.promotion_support import (
+    PIXELS,
+    crown,
+    evaluate_checkpoint,
+    nudged,
+    promote_checkpoint,
+)
 
 # The module, where promote() looks up the functions these tests replace.
 promote_module = importlib.import_module("pipeline.promotion.promote")
@@ -132,8 +138,8 @@ def test_a_champion_that_changes_during_the_promotion_is_not_overwritten(
     name = "digits-race"
     runs = ("run-v1", "run-slow", "run-fast")
     ledger = open_ledger(tmp_path / "ledger.db", world.snapshot.snapshot_id, *runs)
-    checkpoints = {
-        run: write_checkpoint(tmp_path, world.good_state, run_id=run, step=400 + 100 * i)
+    checkpoints = {  # three sets of weights: the same answers, none identical to another
+        run: write_checkpoint(tmp_path, nudged(world.good_state, i), run_id=run, step=400 + 100 * i)
         for i, run in enumerate(runs)
     }
     for run, checkpoint in checkpoints.items():

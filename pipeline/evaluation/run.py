@@ -18,7 +18,7 @@ from pipeline.evaluation.artifacts import FAILURES, RAW_OUTPUTS, write_artifacts
 from pipeline.evaluation.errors import CheckpointAttemptMismatchError, EvaluatorCrashError
 from pipeline.evaluation.eval_set import EvalSet
 from pipeline.evaluation.evaluators import get_evaluator
-from pipeline.evaluation.health import checkpoint_health
+from pipeline.evaluation.health import checkpoint_health, health_tags
 from pipeline.ledger.ledger import utcnow
 from pipeline.ledger.records import EvaluationRecord
 from pipeline.states import EvaluationStatus, TerminationReason
@@ -117,6 +117,7 @@ def run_evaluation(
     client = mlflow_client(settings)
     experiment_id = get_or_create_experiment(client, settings, EVALUATION_EXPERIMENT)
     tags = _run_tags(client, provenance)
+    tags.update(health_tags(training_health))  # a model that trained through a spike says so
     mlflow_run = client.create_run(
         experiment_id,
         run_name=f"{evaluator.name} {run_id}#{attempt_no} step {checkpoint.step}",

@@ -1011,11 +1011,10 @@ class Ledger:
     def record_promotion(self, record: PromotionRecord) -> PromotionRecord:
         """Record the decision and, in the same transaction, the run's status it implies."""
         values = _record_values(record, schema.promotions)
-        status = (
-            RunStatus.PROMOTED
-            if record.decision == PromotionDecision.PROMOTED
-            else RunStatus.REFUSED
-        )
+        status = {
+            PromotionDecision.PROMOTED: RunStatus.PROMOTED,
+            PromotionDecision.REFUSED: RunStatus.REFUSED,
+        }.get(PromotionDecision(record.decision))  # unchanged: the run keeps its status
         runs, promotions = schema.training_runs, schema.promotions
 
         def _record(conn: Connection) -> None:
@@ -1027,6 +1026,8 @@ class Ledger:
             ).first()
             if exists is None:
                 conn.execute(sa.insert(promotions).values(**values))
+            if status is None:
+                return
             update = sa.update(runs).where(runs.c.run_id == record.run_id)
             if status == RunStatus.REFUSED:
                 # A run whose checkpoint once became the champion stays "promoted": a later

@@ -154,6 +154,11 @@ class QualityGate:
             "evaluator_versions": {name: versions.get(name) for name in required},
             "task_set_version": task_set_version,
             "evaluations": {name: r.evaluation_id for name, r in sorted(counted.items())},
+            # What the evaluated checkpoint trained through (spikes, skips, rollbacks).
+            "training_health": next(
+                (r.training_health for _, r in sorted(counted.items()) if r.training_health),
+                None,
+            ),
             "thresholds": checks,
             "champion_version": champion_version,
             "champion_evaluations": champion_used,
