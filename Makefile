@@ -40,12 +40,19 @@ test: lint browser
 browser:
 	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
 
-# Runs the browser test and keeps its screenshots (the README shows two of them).
+# Runs the browser test and keeps its screenshots in docs/screenshots: the asset graph, the
+# launch dialog, a run page while the trainer trains, training_attempt's metadata and loss
+# curve, promoted_model's explain page, the evaluation's tables, a failed schema check, and
+# MLflow's runs table and model version page.
 screenshots: install browser
 	TRACKS_SCREENSHOTS=$(CURDIR)/docs/screenshots $(BIN)/pytest -q tests/test_ui_browser.py
 
 # MLflow's own UI over the same store `make demo` writes: compare runs, curves, model versions.
+# MLflow 3.17 opens every experiment on its GenAI pages until a browser picks "Model training"
+# at the top of the side bar; it remembers the choice, and experiments open on their runs table
+# from then on. The links Tracks writes into Dagster's metadata pick it for the page they open.
 mlflow-ui: install
+	@echo 'MLflow on http://127.0.0.1:5000: pick "Model training" at the top of its side bar once.'
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(TRACKS_HOME)/mlflow.db \
 		--default-artifact-root $(TRACKS_HOME)/mlartifacts -h 127.0.0.1 -p 5000
 

@@ -60,10 +60,10 @@ GRAPH = [
 ]
 # The trainer's progress line on the run page: `step 120/300 (40%) · loss 0.53 · … · ETA …`.
 PROGRESS = re.compile(r"^step (\d+)/(\d+) \(\d+%\)")
-# A pause after every step: the default 300 steps then take ~20 s (300 times 0.05 s plus the
-# steps), long enough to watch a few progress lines (one per 2 s at most) arrive, short enough
-# for the suite.
-SLOW_STEPS = {"TRACKS_FAULT_SLEEP_AFTER_STEP": "0.05"}
+# A pause after every step, so that the default 300 steps take ~20 s even on an idle machine
+# (9 s of pauses plus the steps): long enough to watch a few progress lines arrive (one per 2 s
+# at most), short enough for the suite. The attempt's receipt names the hook (explain shows it).
+SLOW_STEPS = {"TRACKS_FAULT_SLEEP_AFTER_STEP": "0.03"}
 MODEL_NAME = "digits-classifier"
 MLFLOW_LINKS = ("mlflow_training_run", "mlflow_model_version")  # on promoted_model
 MESSAGES = '[class*="messageColumn"]'  # one message cell per row of the run page's event log
@@ -139,28 +139,35 @@ def _pick_partition(page: Page, snapshot_id: str) -> None:
     dialog.get_by_text("Launch runs to materialize").click()  # closes the picker
 
 
-def _screenshot(page: Page, path: Path, *, full_page: bool = False, live: bool = False) -> None:
+def _screenshot(
+    page: Page, path: Path, *, full_page: bool = False, idle: bool = True, live: bool = False
+) -> None:
     """``path`` once the page has settled: loaded to network idle, and nothing moving.
 
-    ``live``: a running run's page never settles (its events keep arriving, and the Gantt
-    chart's bars grow by a transition every second): its fonts and images are waited for, and
-    the screenshot itself finishes the transitions under way.
+    ``idle=False``: a page that polls its server (MLflow's runs table) is never idle on the
+    network; only its animations are waited for. ``live``: a running run's page never settles
+    (its events keep arriving, and its Gantt chart keeps moving): its fonts and images are
+    waited for, and the screenshot itself finishes the transitions under way.
     """
     if live:
         page.wait_for_function(LOADED, timeout=30_000)
     else:
-        page.wait_for_load_state("networkidle")
+        if idle:
+            page.wait_for_load_state("networkidle")
         page.evaluate("window.__tracksSettledFrames = 0")
         page.wait_for_function(SETTLED, timeout=30_000)  # polled every animation frame
     page.screenshot(path=path, full_page=full_page, animations="disabled")
 
 
-def _tall_screenshot(page: Page, path: Path, height: int = 2200) -> None:
-    """Dagster's pages scroll inside their own panel, so a full-page screenshot is one window:
-    a taller window shows a whole metadata table."""
-    page.set_viewport_size({"width": 1400, "height": height})
+def _screenshot_at(
+    page: Page, path: Path, *, width: int = 2000, height: int = 2200, idle: bool = True
+) -> None:
+    """:func:`_screenshot` in a window of ``width`` x ``height``. Dagster's pages scroll inside
+    their own panel, so a full-page screenshot is one window: a wider and taller one shows whole
+    metadata tables beside the definition panel."""
+    page.set_viewport_size({"width": width, "height": height})
     try:
-        _screenshot(page, path)
+        _screenshot(page, path, idle=idle)
     finally:
         page.set_viewport_size({"width": 1400, "height": 900})
 
@@ -222,7 +229,6 @@ def _watch_progress(
     while len(seen) < 3:
         status = server.run_status(run_id)
         if time.monotonic() > deadline or status in ("SUCCESS", "FAILURE", "CANCELED"):
-            page.screenshot(path=DIAGNOSTICS / f"progress-{run_id}.png")
             raise AssertionError(
                 f"run {run_id} ({status}): progress lines seen for steps "
                 f"{seen} on its run page, three wanted while it trains:\n"
@@ -290,19 +296,20 @@ def _mlflow_pages(page: Page, mlflow: MlflowServer, links: dict[str, str], shots
     )
     page.get_by_role("heading", name="Runs", exact=True).wait_for()
     page.get_by_role("link", name=run_name).first.wait_for()  # a row of the runs table
-    _screenshot(page, shots / "8-mlflow-runs.png")
+    _screenshot(page, shots / "8-mlflow-runs.png", idle=False)
 
     # Dagster's link to the model version: its source is the training run; it has a signature.
     assert links["mlflow_model_version"].startswith(mlflow.url), links
     page.goto(links["mlflow_model_version"], wait_until="domcontentloaded")
-    source = page.locator(".linked-run").get_by_role("link", name=run_name)
+    source = page.get_by_role("link", name=run_name)  # "Source Run"
     source.wait_for()
     href = source.get_attribute("href") or ""
     assert f"/experiments/{experiment_id}/runs/{version['run_id']}" in href, href
-    schema = page.get_by_test_id("model-version-schema-section")
-    schema.get_by_text(re.compile(r"^Inputs \(\d+\)")).first.wait_for()
-    assert "No schema" not in schema.inner_text(), schema.inner_text()
-    _screenshot(page, shots / "9-mlflow-model-version.png")
+    page.get_by_text(re.compile(r"^Inputs \(\d+\)$")).wait_for()  # the signature's schema
+    page.get_by_text(re.compile(r"^Outputs \(\d+\)$")).wait_for()
+    assert "No schema" not in page.inner_text("body")
+    # Tall enough for the schema below the source run.
+    _screenshot_at(page, shots / "9-mlflow-model-version.png", width=1400, height=1050, idle=False)
 
 
 def _keep_failed_page(page: Page, path: Path) -> Callable[..., bool]:
@@ -383,15 +390,14 @@ def test_the_ui_path_in_a_real_browser(browser_page, tracks_home: Path, tmp_path
         body = page.inner_text("body")
         assert "checkpoint_lineage" in body and "termination_reason" in body
         assert "[Show Markdown]" not in page.locator("tr").filter(has=curve).inner_text()
-        _tall_screenshot(page, shots / "3-training-attempt.png")
-        curve.scroll_into_view_if_needed()
-        _screenshot(page, shots / "5-loss-curve.png")
+        _screenshot_at(page, shots / "3-training-attempt.png")
+        _screenshot_at(page, shots / "5-loss-curve.png", height=1000)
 
         # 4. evaluation: one row per evaluator and per slice.
         page.goto(f"{server.url}/assets/evaluation", wait_until="networkidle")
         page.get_by_text("noise_robustness", exact=True).first.wait_for()
         page.get_by_text("class=9", exact=True).first.wait_for()
-        _tall_screenshot(page, shots / "7-evaluation-tables.png")
+        _screenshot_at(page, shots / "7-evaluation-tables.png")
 
         # 5. promoted_model: the run's explain page names the promotion.
         page.goto(f"{server.url}/assets/promoted_model", wait_until="networkidle")
