@@ -458,14 +458,16 @@ def _startup_lines(a: AttemptRecord) -> list[str]:
     split = (a.timings or {}).get("startup")
     if not isinstance(split, dict):
         return []
-    parts = [f"{words} {float(split[key]):.1f}s" for key, words in _STARTUP_PARTS if key in split]
-    # ``total`` counts from the process's start (from main() or run_training where that
-    # start was not measured, and then those parts are missing too).
-    head = f"{float(split['total']):.1f}s to the first step's end" if "total" in split else ""
-    head = head or "no step trained"
-    # The data loads on its own thread beside the model's build: the parts overlap.
-    tail = " (data loads beside the model's build)" if "data" in split else ""
-    return [f"- **Start-up**: {head}: {', '.join(parts)}{tail}"]
+    seconds = {key: float(split[key]) for key, _ in _STARTUP_PARTS if key in split}
+    parts = [f"{words} {seconds[key]:.1f}s" for key, words in _STARTUP_PARTS if key in seconds]
+    if "total" not in split:
+        return [f"- **Start-up** (no step trained): {', '.join(parts)}"]
+    # ``total`` counts from the process's start (from main() or run_training where that start
+    # was not measured, and those parts are missing then); what no part names is the rest.
+    total = float(split["total"])
+    rest = max(total - sum(seconds.values()), 0.0)
+    parts.append(f"the rest {rest:.1f}s (building the model and optimizer, joining ranks, events)")
+    return [f"- **Start-up**: {total:.1f}s to the first step's end: {', '.join(parts)}"]
 
 
 def _launch_words(a: AttemptRecord, attempts: Sequence[AttemptRecord] = ()) -> str:

@@ -9,16 +9,17 @@ start-up, and the receipt's ``timings.startup`` says where it went, in seconds:
 - ``ledger``: opening the ledger, and the attempt's writes before its first step (its begin,
   where it resumed from, its placement);
 - ``data``: loading the snapshot's tensors (the gate's verdict, the read, the checks), on a
-  thread of its own while the training thread builds the model and optimizer and, with
-  several ranks, joins the others;
+  thread of its own while, with several ranks, the training thread waits for the others to
+  join;
 - ``restore``: restoring the newest committed checkpoint, then asking the ledger whether a
   newer one was committed meanwhile;
-- ``first_step``: the first training step (the first of a process pays torch's lazy set-up:
-  the optimizer imports ``torch._dynamo`` at its first step);
+- ``first_step``: the first training step (the first of a process pays some of torch's lazy
+  set-up);
 - ``total``: from the kernel starting the process to the end of the first step.
 
-The parts need not add up to ``total``: the data loads beside the model's build, and what is
-left (building the model and optimizer, events, the tracker's start) has no key of its own.
+The parts add up to less than ``total``: what is left has no key of its own: building the model
+and optimizer (torch's optimizer imports ``torch._dynamo`` when it is made: seconds of CPU),
+joining the other ranks beyond the data's load, events, the tracker's start.
 ``run_training`` called in-process (tests, notebooks) has no ``main()``: ``process_start`` and
 ``imports`` are left out, and ``total`` counts from ``run_training``. Where the process's start
 time cannot be read (no ``/proc``), ``process_start`` is left out and ``total`` counts from

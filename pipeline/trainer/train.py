@@ -370,10 +370,14 @@ class Trainer:
                 "batch_size",
                 f"{cfg.batch_size} does not split evenly over {world.world_size} ranks",
             )
-        # The data loads on a thread of its own (its file reads, hashing and Parquet decoding
-        # let go of the GIL) while this one joins the other ranks and builds the model and
-        # optimizer. The restore waits for the data: it checks the checkpoint against the
-        # data's digest and restores the data cursor, whose size is the data's.
+        # The data loads on a thread of its own while this rank waits for the other ranks to
+        # join. Only waits run beside it: the model's build imports seconds of torch (its
+        # optimizer pulls in torch._dynamo), and two threads importing at once only slow each
+        # other down (a GIL hand-off at every file the import machinery reads: measured
+        # 2026-11-27, a resume's first step took 24 s with the build beside the data load and
+        # 16 s after it, medians of 6 on a loaded 2-vCPU VM). Nor can the restore run beside
+        # it: it checks the checkpoint against the data's digest and restores the data cursor,
+        # whose size is the data's.
         loading = Beside(
             lambda: load_training_data(cfg.snapshot_dir, ledger=self.attempt.ledger).to(device),
             name="training-data",
@@ -384,17 +388,14 @@ class Trainer:
             # Given up on a stop: a peer killed before it joined would hold this rank for minutes.
             self.groups = Groups(world, device, abandon=lambda: self.stop.requested)
         elif _resumes_large_files(self.attempt.run_dir):
-            prepare_read_buffers()  # while the data loads and the model is built
-        # Taken before the model draws from the seeded generators (loading the data draws
-        # from none): a restore that diverges builds the initial state again from here.
-        seeded = RNGState().state_dict()
-        built = self._build_model(device)
+            prepare_read_buffers()  # on a thread of its own, while the data loads
         try:
             self.data = data = loading.result()
         finally:
             self.startup.add("data", loading.seconds or 0.0)
         self._agree_before_training("after loading the training data")
-        state = self._build(data, device, built=built)
+        seeded = RNGState().state_dict()
+        state = self._build(data, device)
         manager = self._make_manager()
         self._manager = manager
         try:
@@ -583,25 +584,10 @@ class Trainer:
             },
         )
 
-    def _build_model(
-        self, device: torch.device
-    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
-        """The model, its optimizer and LR scheduler, from the seeded generators; no data needed."""
-        model = build_model(self.config.to_dict()["model"]).to(device)
-        optimizer, scheduler = build_optimizer(self.config, model)
-        return model, optimizer, scheduler
-
-    def _build(
-        self,
-        data: TrainingData,
-        device: torch.device,
-        *,
-        built: tuple[torch.nn.Module, torch.optim.Optimizer, Any] | None = None,
-    ) -> TrainingState:
-        """The initial training state on ``data``; ``built``: its model, optimizer and
-        scheduler, made already (:meth:`_build_model`, while the data loaded)."""
+    def _build(self, data: TrainingData, device: torch.device) -> TrainingState:
         cfg = self.config
-        model, optimizer, scheduler = built or self._build_model(device)
+        model = build_model(cfg.to_dict()["model"]).to(device)
+        optimizer, scheduler = build_optimizer(cfg, model)
         try:
             sampler = EpochSampler(len(data.train_labels), cfg.batch_size, cfg.seed)
         except ValueError as exc:
