@@ -22,10 +22,12 @@ $(VENV)/.installed: pyproject.toml requirements.lock | $(BIN)/python
 
 install: $(VENV)/.installed
 
-# `make demo NPROC=2` trains as two ranks under torchrun (gloo on CPU).
+# `make demo NPROC=2` trains as two ranks under torchrun (gloo on CPU); `make demo
+# FAMILY=text-lm` trains the language model family instead of the digits.
 NPROC ?= 1
+FAMILY ?= digits-cnn
 demo: install
-	$(BIN)/tracks demo --nproc-per-node $(NPROC)
+	$(BIN)/tracks demo --family $(FAMILY) --nproc-per-node $(NPROC)
 
 lint: install
 	$(BIN)/ruff check .

@@ -211,7 +211,9 @@ def judge_provenance_complete(
 ) -> dg.AssetCheckResult:
     """Every evaluation id the ``evaluation`` asset recorded, and every required evaluator, has a
     complete provenance row in ``ledger`` for exactly the checkpoint's manifest sha256."""
+    from pipeline.data.snapshot import family_of_snapshot
     from pipeline.evaluation import required_evaluators
+    from pipeline.promotion.families import gate_for_family
     from pipeline.states import EvaluationStatus
 
     if evaluated is None:
@@ -226,8 +228,11 @@ def judge_provenance_complete(
         )
     if not evaluation_ids:
         problems.append("the evaluation recorded no evaluation ids")
+    family = family_of_snapshot(partition)
+    gate = gate_for_family(family)
     rows = {r.evaluation_id: r for r in ledger.evaluations_for_checkpoint(sha)}
     evaluators: dict[str, list[str]] = {}
+    recorded = {}
     for evaluation_id in evaluation_ids:
         row = rows.get(evaluation_id)
         if row is None:
@@ -236,19 +241,26 @@ def judge_provenance_complete(
             )
             continue
         evaluators.setdefault(row.evaluator_name, []).append(evaluation_id)
+        recorded[row.evaluator_name] = row
         if row.status != EvaluationStatus.COMPLETE:
             problems.append(
                 f"evaluation {evaluation_id} ({row.evaluator_name}) is {row.status}: "
                 f"{row.detail or 'no detail'}"
             )
-        missing = row.missing_provenance()
+        # A field the evaluator states does not apply to it (contamination has no slices) is
+        # not missing; the gate below refuses any other "not applicable".
+        declared = gate.not_applicable.get(row.evaluator_name, {})
+        missing = [name for name in row.missing_provenance() if name not in declared]
         if missing:
             problems.append(
                 f"evaluation {evaluation_id} ({row.evaluator_name}) is missing {', '.join(missing)}"
             )
-    for name in required_evaluators():
+    for name in required_evaluators(family):
         if name not in evaluators:
             problems.append(f"required evaluator {name} has no evaluation of this checkpoint")
+    # The family's own fields (a text-lm generation evaluation's prompt set, template, decoding,
+    # seed, judge...), judged as the promotion gate judges them.
+    problems += gate.recorded_provenance_problems(recorded)
     if problems:
         description = f"incomplete provenance for checkpoint {sha}: " + "; ".join(problems)
     else:

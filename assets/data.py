@@ -34,7 +34,8 @@ def landing_files_spec(landing_root: Path) -> dg.AssetSpec:
 
 class SnapshotConfig(dg.Config):
     landing_dir: str | None = None
-    """Folder of landing Parquet files; defaults to the deployment's landing folder."""
+    """Folder of landing Parquet files; defaults to the family's landing folder (the landing
+    root for ``digits-…`` partitions, ``<landing root>/text-lm`` for ``text-…``)."""
 
 
 def _check_result(
@@ -65,44 +66,43 @@ def files_table(files: Sequence[Mapping[str, Any]]) -> dg.TableMetadataValue:
     return table("files", columns, rows)
 
 
-def _baseline(storage: StorageResource, current_id: str, ledger: Any) -> Any:
-    """The newest earlier snapshot whose blocking checks passed, or None: drift's baseline.
-
-    A snapshot that failed its checks is no baseline (drift against bad data says nothing).
-    """
-    from pipeline.data.gate import passed_checks
-    from pipeline.data.snapshot import list_snapshots
-
-    earlier = [s for s in list_snapshots(storage.snapshots()) if s.snapshot_id != current_id]
-    for snapshot in reversed(earlier):
-        if passed_checks(snapshot, snapshot_root=storage.snapshots(), ledger=ledger):
-            return snapshot
-    return None
-
-
 @dg.asset(
     partitions_def=snapshot_partitions,
     deps=[LANDING_FILES],
     group_name=ASSET_GROUP,
     kinds={"parquet"},
-    description="An immutable, content-addressed copy of the landing files with manifest.json.",
+    description=(
+        "An immutable, content-addressed copy of the landing files with manifest.json. The "
+        "partition's prefix names the model family: digits-… (landing root), text-… "
+        "(landing root/text-lm); each family runs its own checks under the same names."
+    ),
     check_specs=[
         dg.AssetCheckSpec(
             SCHEMA_CONTRACT,
             asset="data_snapshot",
             blocking=True,
-            description="pandera contract: exact columns, dtypes, label 0..9, pixels 0..16.",
+            description=(
+                "pandera contract. digits: exact columns, dtypes, label 0..9, pixels 0..16; "
+                "text: doc_id unique, text non-empty valid UTF-8 of 1..8192 characters, no "
+                "document in both splits."
+            ),
         ),
         dg.AssetCheckSpec(
             DATA_QUALITY,
             asset="data_snapshot",
             blocking=True,
-            description="great-expectations suite: ranges, nulls, label set and balance.",
+            description=(
+                "great-expectations suite. digits: ranges, nulls, label set and balance; "
+                "text: columns, nulls, unique ids, split set and eval share, lengths."
+            ),
         ),
         dg.AssetCheckSpec(
             DRIFT_VS_PREVIOUS,
             asset="data_snapshot",
-            description="Label distribution and pixel means against the previous snapshot (warns).",
+            description=(
+                "Against the previous passing snapshot of the same family (warns). digits: "
+                "label distribution and pixel means; text: byte Jensen-Shannon distance."
+            ),
         ),
     ],
 )
@@ -112,21 +112,37 @@ def data_snapshot(
     storage: StorageResource,
     ledger: LedgerResource,
 ) -> Iterator[dg.MaterializeResult | dg.AssetCheckResult]:
-    from pipeline.data.contract import check_schema_contract
-    from pipeline.data.drift import drift_vs_previous
-    from pipeline.data.gate import CheckVerdict, content_sha256, record_verdict
-    from pipeline.data.quality import check_data_quality
-    from pipeline.data.snapshot import create_snapshot, read_snapshot_frame
-
-    landing = Path(config.landing_dir) if config.landing_dir else storage.landing()
-    snapshot = create_snapshot(
-        landing, storage.snapshots(), expected_id=context.partition_key, source=str(landing)
+    from pipeline.data.families import landing_dir_for
+    from pipeline.data.gate import (
+        CheckVerdict,
+        blocking_outcomes,
+        content_sha256,
+        drift_baseline,
+        drift_outcome,
+        read_check_frame,
+        record_verdict,
     )
-    frame = read_snapshot_frame(snapshot)
+    from pipeline.data.snapshot import create_snapshot, family_of_snapshot
+
+    # The partition key names the family (its prefix): nothing else in run config does.
+    family = family_of_snapshot(context.partition_key)
+    if config.landing_dir:
+        landing = Path(config.landing_dir)
+    else:
+        landing = landing_dir_for(storage.landing(), family)
+    snapshot = create_snapshot(
+        landing,
+        storage.snapshots(),
+        family=family,
+        expected_id=context.partition_key,
+        source=str(landing),
+    )
+    frame = read_check_frame(snapshot)
     manifest = snapshot.manifest
     yield dg.MaterializeResult(
         metadata={
             "snapshot_id": snapshot.snapshot_id,
+            "family": snapshot.family,
             "path": dg.MetadataValue.path(str(snapshot.path)),
             "manifest_sha256": snapshot.manifest_sha256,
             "content_sha256": content_sha256(snapshot),
@@ -139,11 +155,11 @@ def data_snapshot(
         data_version=dg.DataVersion(snapshot.manifest_sha256),
     )
     book = ledger.ledger()
-    contract, quality = check_schema_contract(frame), check_data_quality(frame)
-    baseline = _baseline(storage, snapshot.snapshot_id, book)
+    contract, quality = blocking_outcomes(snapshot, frame)
+    baseline = drift_baseline(snapshot, snapshot_root=storage.snapshots(), ledger=book)
     # Drift only warns: an unreadable baseline must not fail this one, so no verification.
-    drift = drift_vs_previous(
-        frame, read_snapshot_frame(baseline, verify=False) if baseline else None
+    drift = drift_outcome(
+        snapshot, frame, read_check_frame(baseline, verify=False) if baseline else None
     )
     # The verdict is recorded for this exact manifest before the results are yielded: every
     # path that trains (this run's, a later one's, the trainer CLI's) requires it.

@@ -37,7 +37,8 @@ def evaluation(
     mlflow: MlflowResource,
 ) -> dg.MaterializeResult:
     from pipeline.data.snapshot import open_snapshot
-    from pipeline.evaluation import EVALUATORS, EvaluatorCrashError, run_evaluation
+    from pipeline.evaluation import EvaluatorCrashError, run_evaluation
+    from pipeline.evaluation.evaluators import family_evaluators
     from pipeline.explain import explain
     from pipeline.retry import RetryAction, decide_evaluation, policy_for_run
     from pipeline.states import EvaluationStatus
@@ -55,7 +56,9 @@ def evaluation(
         if e.status == EvaluationStatus.COMPLETE
     }
     records = []
-    for name, evaluator in EVALUATORS.items():
+    # The snapshot's family decides the evaluators (run_evaluation refuses a checkpoint of
+    # another family).
+    for name, evaluator in family_evaluators(snapshot.family).items():
         record = done.get((name, evaluator.version))
         if record is None:
             try:
@@ -155,7 +158,8 @@ def slices_table(record: Any) -> dg.TableMetadataValue:
         dg.TableColumn(
             "slice",
             "string",
-            "class=K: examples labelled K; noise=S: Gaussian pixel noise of std S",
+            "class=K: examples labelled K; noise=S: Gaussian pixel noise of std S; "
+            "topic=T: documents of pydoc topic T; mode=M: greedy or sampled generations",
         ),
         *metrics,
     ]

@@ -14,7 +14,8 @@ from resources import LedgerResource, MlflowResource, StorageResource, core_sett
 
 
 class PromotionConfig(dg.Config):
-    model_name: str = "digits-classifier"
+    # Empty: the registered model of the run's family (digits-classifier, text-lm).
+    model_name: str = ""
 
 
 @dg.asset(
@@ -40,7 +41,8 @@ def promoted_model(
     from pipeline.states import PromotionDecision
 
     try:
-        ids.model_name(config.model_name)
+        if config.model_name:
+            ids.model_name(config.model_name)
     except ids.InvalidIdError as exc:
         raise step_failure(f"run config of promoted_model: {exc}", exc) from None
     checkpoint = upstream_metadata(context, "committed_checkpoint", context.partition_key)
@@ -51,7 +53,7 @@ def promoted_model(
         attempt_no=int(checkpoint["attempt_no"]),
         checkpoint_dir=Path(checkpoint["path"]),
         snapshot_id=context.partition_key,
-        model_name=config.model_name,
+        model_name=config.model_name or None,
         dagster_run_id=context.run_id,
     )
     metadata = promotion_metadata(decision)
@@ -171,7 +173,7 @@ def _threshold_row(check: dict[str, Any]) -> dict[str, Any]:
         "this_checkpoint": None if value is None else float(value),
         "reference": threshold,
         "difference": None if value is None else float(value) - threshold,
-        "needs": f">= {check['threshold']}",
+        "needs": f"{check.get('needs', '>=')} {check['threshold']}",
         "passed": bool(check.get("passed")),
         **_NO_INTERVAL,
         "result": "passed" if check.get("passed") else "failed",

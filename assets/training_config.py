@@ -24,7 +24,7 @@ import dagster as dg
 from pipeline import ids
 from pipeline.ledger.notes import InvalidNoteError, note_text
 from pipeline.states import Purpose
-from pipeline.trainer.config import ConfigError, TrainConfig, field_docs
+from pipeline.trainer.config import MODEL_SECTIONS, ConfigError, TrainConfig, field_docs
 
 SOURCE = "run config of training_attempt"
 # The partition's snapshot decides it: run config never does.
@@ -53,10 +53,34 @@ def dataclass_shape(cls: type, skip: frozenset[str] = frozenset()) -> dg.Shape:
     return dg.Shape(fields)
 
 
+def model_sections_shape() -> dg.Shape:
+    """The ``model`` section of every family in one shape: each key once, its description
+    (each family's, for a key two share) saying which family reads it; TrainConfig refuses a
+    key of another family than the run's."""
+    merged: dict[str, tuple[Any, list[str]]] = {}
+    for family, cls in MODEL_SECTIONS.items():
+        hints, docs = typing.get_type_hints(cls), field_docs(cls)
+        for spec in dataclasses.fields(cls):
+            said = f"{_description(docs.get(spec.name, ''), spec)} ({family})"
+            kind = _config_type(hints[spec.name], f"{cls.__name__}.{spec.name}")
+            if spec.name in merged:
+                merged[spec.name][1].append(said)
+            else:
+                merged[spec.name] = (kind, [said])
+    return dg.Shape(
+        {
+            name: dg.Field(kind, is_required=False, description=" / ".join(said))
+            for name, (kind, said) in merged.items()
+        }
+    )
+
+
 def _config_type(annotation: Any, where: str) -> Any:
     if dataclasses.is_dataclass(annotation):
         return dataclass_shape(typing.cast(type, annotation))
     args = typing.get_args(annotation)
+    if set(args) == set(MODEL_SECTIONS.values()):
+        return model_sections_shape()
     if typing.get_origin(annotation) in (types.UnionType, typing.Union) and type(None) in args:
         [inner] = [a for a in args if a is not type(None)]
         return dg.Noneable(_config_type(inner, where))
@@ -119,6 +143,17 @@ class TrainingRunConfig:
     note: str | None = None  # the launch-time note, recorded on the attempt
 
 
+def family_defaults(family: str) -> dict[str, Any]:
+    """Where a new run on a snapshot of ``family`` starts, before its run config: TrainConfig's
+    defaults are the digits'; another family starts from its named config
+    (pipeline/trainer/configs/<family>.yaml), so a text partition materialized from the UI
+    with no run config trains the text-lm demo's model, not a digits CNN on text."""
+    from pipeline.data.families import DEFAULT_FAMILY
+    from pipeline.trainer.config import named_config
+
+    return {} if family == DEFAULT_FAMILY else named_config(family)
+
+
 def train_config_for_attempt(
     book: Any,
     config: TrainingRunConfig,
@@ -161,7 +196,10 @@ def train_config_for_attempt(
             )
         last = book.latest_attempt(run.run_id)
     if run is None or last is None:
-        base: dict[str, Any] = {"snapshot_dir": str(snapshot.path)}
+        base: dict[str, Any] = {
+            **family_defaults(snapshot.family),
+            "snapshot_dir": str(snapshot.path),
+        }
         device = None if "device" in train else default_device()
         if device:
             base["device"] = device

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from pipeline import envvars, ids, redact, safepath
+from pipeline.data.families import DEFAULT_FAMILY, FAMILIES
 from pipeline.durable import replace_atomically
 from pipeline.settings import TracksSettings
 
@@ -175,13 +176,55 @@ def landing_digits(landing_dir: Path | None, drift: str | None, file_name: str |
     click.echo(str(path))
 
 
+# The values of pipeline.textlm.landing.TextDrift, written out so `tracks --help` loads neither
+# pandas nor pyarrow (a test holds the two lists equal).
+TEXT_DRIFTS = ("invalid_utf8", "empty_document", "duplicate_id", "split_leak", "shouted")
+
+
+@landing.command("text")
+@click.option(
+    "--landing-dir",
+    type=click.Path(path_type=Path),
+    help=f"Default: ${envvars.TRACKS_HOME.name}/landing/text-lm.",
+)
+@click.option(
+    "--drift",
+    type=click.Choice(TEXT_DRIFTS),
+    help="Write bad (or shifted) text on purpose (drills, tests).",
+)
+@click.option("--file-name", type=LANDING_FILE, help="Name of the Parquet file to write.")
+def landing_text(landing_dir: Path | None, drift: str | None, file_name: str | None) -> None:
+    """Write the Python language reference (pydoc_data.topics) as a text landing Parquet file."""
+    from pipeline.data.families import TEXT, landing_dir_for
+    from pipeline.textlm.landing import TextDrift, write_text_landing
+
+    target = landing_dir or landing_dir_for(_settings().landing_root, TEXT)
+    path = write_text_landing(
+        target, drift=TextDrift(drift) if drift else None, file_name=file_name
+    )
+    click.echo(str(path))
+
+
 @main.command("snapshot-id")
-@click.option("--landing-dir", type=click.Path(path_type=Path))
-def snapshot_id(landing_dir: Path | None) -> None:
+@click.option(
+    "--landing-dir",
+    type=click.Path(path_type=Path),
+    help="Default: the family's landing folder.",
+)
+@click.option(
+    "--family",
+    type=click.Choice(FAMILIES),
+    default=DEFAULT_FAMILY,
+    show_default=True,
+    help="The model family the data is for: it picks the id's prefix and the default folder.",
+)
+def snapshot_id(landing_dir: Path | None, family: str) -> None:
     """Print the content-addressed snapshot id of the landing files."""
+    from pipeline.data.families import landing_dir_for
     from pipeline.data.snapshot import snapshot_id_for
 
-    click.echo(snapshot_id_for(landing_dir or _settings().landing_root))
+    target = landing_dir or landing_dir_for(_settings().landing_root, family)
+    click.echo(snapshot_id_for(target, family=family))
 
 
 @main.group()
@@ -222,20 +265,38 @@ def _write_instance_yaml(home: Path, *, postgres: bool) -> None:
     show_default=True,
     help="Train as this many ranks under torchrun (gloo on CPU); 1 runs one process.",
 )
-def demo(fresh_data: bool, nproc_per_node: int) -> None:
-    """Land the digits, then snapshot → train → checkpoint → evaluate → promote, in Dagster."""
+@click.option(
+    "--family",
+    type=click.Choice(FAMILIES),
+    default=DEFAULT_FAMILY,
+    show_default=True,
+    help="digits-cnn: scikit-learn's handwritten digits; text-lm: a byte-level language model "
+    "on the Python reference that ships with CPython.",
+)
+def demo(fresh_data: bool, nproc_per_node: int, family: str) -> None:
+    """Land the family's data, then snapshot → train → checkpoint → evaluate → promote, in
+    Dagster; print the champion, what it serves, and the run's story."""
     import dagster as dg
 
-    from pipeline.data.landing import landing_files, write_digits_landing
+    from pipeline.data.families import TEXT, landing_dir_for
+    from pipeline.data.landing import landing_files
     from pipeline.data.snapshot import snapshot_id_for
     from pipeline.explain import explain
 
     settings = _settings()
     _write_instance_yaml(_dagster_home(settings), postgres=False)
-    if fresh_data or not landing_files(settings.landing_root):
-        write_digits_landing(settings.landing_root)
-    snapshot = snapshot_id_for(settings.landing_root)
-    click.echo(f"snapshot {snapshot} from {settings.landing_root}")
+    landing_dir = landing_dir_for(settings.landing_root, family)
+    if fresh_data or not landing_files(landing_dir):
+        if family == TEXT:
+            from pipeline.textlm.landing import write_text_landing
+
+            write_text_landing(landing_dir)
+        else:
+            from pipeline.data.landing import write_digits_landing
+
+            write_digits_landing(landing_dir)
+    snapshot = snapshot_id_for(landing_dir, family=family)
+    click.echo(f"snapshot {snapshot} from {landing_dir}")
 
     from definitions import defs
     from sensors import materialize_snapshot
@@ -244,7 +305,7 @@ def demo(fresh_data: bool, nproc_per_node: int) -> None:
         # The terminal gets what the steps say (context.log at INFO: the trainer's progress,
         # its checkpoints, the promotion), not Dagster's DEBUG line per step event, which an
         # in-process run prints by default (its console logger's level). The run's event log
-        # in the UI still holds every event.
+        # in the UI still holds every event. The partition's family picks the training config.
         run_config: dict = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
         if nproc_per_node > 1:
             trainer = {"backend": "torchrun", "nproc_per_node": nproc_per_node}
@@ -266,25 +327,43 @@ def demo(fresh_data: bool, nproc_per_node: int) -> None:
             raise click.ClickException(f"Dagster run {result.run_id} failed")
         promotion = result.asset_materializations_for_node("promoted_model")[-1].metadata
         click.echo(f"Dagster run {result.run_id} succeeded")
+    model_name = promotion["model_name"].value
     click.echo(
-        f"champion: {promotion['model_name'].value} version {promotion['model_version'].value} "
-        f"(models:/{promotion['model_name'].value}@champion)"
+        f"champion: {model_name} version {promotion['model_version'].value} "
+        f"(models:/{model_name}@champion)"
     )
     # Served the way production serves it: every byte verified against the promotion record.
-    from pipeline.data.snapshot import open_snapshot, read_snapshot_frame
     from pipeline.serving.champion import load_champion
 
-    served = load_champion(settings, _ledger(settings), promotion["model_name"].value)
-    frame = read_snapshot_frame(open_snapshot(settings.snapshot_root / snapshot))
+    served = load_champion(settings, _ledger(settings), model_name)
+    if family == TEXT:
+        click.echo(_served_text_line(served))
+    else:
+        click.echo(_served_digits_line(served, settings.snapshot_root / snapshot))
+    click.echo("")
+    click.echo(explain(_ledger(settings), promotion["run_id"].value))
+
+
+def _served_digits_line(served: Any, snapshot_dir: Path) -> str:
+    from pipeline.data.snapshot import open_snapshot, read_snapshot_frame
+
+    frame = read_snapshot_frame(open_snapshot(snapshot_dir))
     held_out = frame[frame["split"] == "eval"]
     pixels = held_out[[f"px_{i:02d}" for i in range(64)]].to_numpy()
     accuracy = float((served.predict(pixels) == held_out["label"].to_numpy()).mean())
-    click.echo(
+    return (
         f"served version {served.version} after verifying its files against promotion "
         f"{served.promotion_id}: {accuracy:.1%} on the {len(held_out)} held-out digits"
     )
-    click.echo("")
-    click.echo(explain(_ledger(settings), promotion["run_id"].value))
+
+
+def _served_text_line(served: Any) -> str:
+    prompt = "The if statement is used for"
+    [continuation] = served.continue_text([prompt], max_new_tokens=48)
+    return (
+        f"served version {served.version} after verifying its files against promotion "
+        f"{served.promotion_id}: {prompt!r} continues {continuation!r}"
+    )
 
 
 @main.command()
@@ -404,6 +483,27 @@ def diff_cmd(left: str, right: str) -> None:
     except LedgerError as exc:
         raise click.ClickException(_one_line(exc)) from None
     _echo_page(page)
+
+
+@main.command("reproduce")
+@click.argument("evaluation_id")
+def reproduce_cmd(evaluation_id: str) -> None:
+    """Re-run a generation evaluation (EVALUATION_ID) from its record and compare: every
+    recorded input, greedy outputs byte for byte, sampled outputs under their recorded seeds.
+
+    Exits non-zero on a mismatch or an incomplete record.
+    """
+    from pipeline.evaluation.reproduce import reproduce_evaluation
+    from pipeline.ledger import LedgerError
+
+    settings = _settings()
+    try:
+        reproduction = reproduce_evaluation(_ledger(settings), settings, evaluation_id)
+    except LedgerError as exc:
+        raise click.ClickException(_one_line(exc)) from None
+    click.echo(f"{evaluation_id}: {reproduction.summary()}")
+    if not reproduction.identical:
+        raise click.exceptions.Exit(1)
 
 
 def _reason_choices() -> list[str]:

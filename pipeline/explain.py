@@ -796,13 +796,93 @@ def _evaluations(evaluations: Sequence[EvaluationRecord], attempts_ok: bool) -> 
         status = e.status + (
             f" ({e.termination_reason}: {e.detail})" if e.termination_reason else ""
         )
-        missing = ", ".join(e.missing_provenance()) if e.status == "complete" else "—"
+        # A field the evaluator itself states does not apply (and why) is not missing.
+        declared = (e.provenance or {}).get("not_applicable") or {}
+        missing = (
+            ", ".join(f for f in e.missing_provenance() if f not in declared)
+            if e.status == "complete"
+            else "—"
+        )
         out.append(
             f"| {_cell(e.evaluator_name)} {_cell(e.evaluator_version[:20])} | {_cell(status)} | "
             f"`{_short(e.checkpoint_path)}` (`{e.checkpoint_manifest_sha256[:12]}`) | "
             f"{_cell(metrics)} | {_cell(missing or 'none')} | `{e.evaluation_id}` |"
         )
+    recorded = [e for e in evaluations if e.provenance]
+    if recorded:
+        out += ["", "What each evaluation recorded, as `tracks reproduce` reads it:", ""]
+        for e in recorded:
+            out += _provenance_lines(e)
     return [*out, ""]
+
+
+def _digest(value: Any) -> str:
+    text = str(value or "—")
+    return text if len(text) <= 23 else text[:23]
+
+
+def _decoding(params: Mapping[str, Any]) -> str:
+    parts = [f"{k}={params[k]}" for k in ("temperature", "top_k", "top_p") if k in params]
+    parts.append(f"max_new_tokens={params.get('max_new_tokens')}")
+    stops = params.get("stop_sequences") or []
+    parts.append(f"stop={[str(s) for s in stops]!r}")
+    return ", ".join(parts)
+
+
+def _provenance_lines(e: EvaluationRecord) -> list[str]:
+    """One evaluation's recorded provenance, every field a reader needs to trust or reproduce
+    it, and what its evaluator states does not apply, with the reason."""
+    p = e.provenance or {}
+    fields = [
+        f"code `{e.evaluator_version}`",
+        f"weights `{_digest(p.get('model_digest'))}`",
+        f"snapshot `{p.get('snapshot_id', '—')}`",
+    ]
+    if isinstance(p.get("tokenizer"), Mapping):
+        tok = p["tokenizer"]
+        fields.append(f"tokenizer {tok.get('name')} `{_digest(tok.get('digest'))}`")
+    prompts = p.get("prompt_set")
+    if isinstance(prompts, Mapping):
+        fields.append(
+            f"prompt set {prompts.get('version')} ({prompts.get('items')} items) "
+            f"`{_digest(prompts.get('digest'))}`"
+        )
+    template = p.get("template")
+    if isinstance(template, Mapping):
+        fields.append(f"template {template.get('name')} `{_digest(template.get('digest'))}`")
+    decoding = p.get("decoding_params")
+    if isinstance(decoding, Mapping) and isinstance(decoding.get("greedy"), Mapping):
+        fields.append(f"greedy decoding ({_decoding(decoding['greedy'])})")
+        if isinstance(decoding.get("sampled"), Mapping):
+            fields.append(
+                f"sampled decoding ({_decoding(decoding['sampled'])}, "
+                f"{decoding.get('samples_per_prompt')} per prompt)"
+            )
+        fields.append(f"seed {decoding.get('seed')} ({decoding.get('sample_seed', 'per sample')})")
+    judge = p.get("judge")
+    if isinstance(judge, Mapping):
+        fields.append(
+            f"judge {judge.get('version')} `{_digest(judge.get('digest'))}`, rubric "
+            f"`{judge.get('rubric_version')}`"
+        )
+    if "overlap_fraction" in p:
+        fields.append(
+            f"contamination {float(p['overlap_fraction']):.3f} of {p.get('evaluation_ngrams')} "
+            f"{p.get('method')} against training snapshot `{p.get('training_snapshot_id')}` "
+            f"(threshold {p.get('threshold')}: "
+            f"{'contaminated' if p.get('contaminated') else 'clean'})"
+        )
+    lines = [f"- `{e.evaluation_id}` ({e.evaluator_name}): " + "; ".join(fields) + "."]
+    declared = p.get("not_applicable") or {}
+    if declared:
+        lines.append(
+            "  Not applicable, as the evaluator states: "
+            + "; ".join(f"{k}: {v}" for k, v in sorted(declared.items()))
+            + "."
+        )
+    else:
+        lines.append("  Not applicable: nothing; every field is filled.")
+    return lines
 
 
 def _promotions(promotions: Sequence[PromotionRecord]) -> list[str]:

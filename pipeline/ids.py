@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import re
 
+from pipeline.data.families import SNAPSHOT_PREFIXES
+
 # Letters, digits, ``-``, ``_``, ``.`` inside; starts with a letter or digit, so no id is a
 # hidden file, ``.`` or ``..``; 128 characters leave room under every filesystem's 255-byte
 # name limit for the prefixes and suffixes Tracks adds.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_SNAPSHOT = re.compile(r"[a-z][a-z0-9_]{0,31}-[0-9a-f]{16}")
+# A snapshot id's prefix names its model family (pipeline.data.families): no other prefix is
+# an id, so a "digit-…" typo is refused here, not looked up as a snapshot that never exists.
+_SNAPSHOT = re.compile(rf"(?:{'|'.join(map(re.escape, SNAPSHOT_PREFIXES))})-[0-9a-f]{{16}}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.parquet")
 MAX_ID_LENGTH = 128
 
@@ -69,12 +73,13 @@ def evaluator_name(value: object) -> str:
 
 
 def snapshot_id(value: object) -> str:
-    """A data snapshot's id: a lowercase prefix, ``-``, 16 hex digits of its content digest."""
+    """A data snapshot's id: its family's prefix, ``-``, 16 hex digits of its content digest."""
     return _check(
         "snapshot id",
         value,
         _SNAPSHOT,
-        "expected a lowercase prefix, '-' and 16 hex digits (e.g. digits-0123456789abcdef)",
+        f"expected {' or '.join(repr(p + '-') for p in SNAPSHOT_PREFIXES)} and 16 lowercase hex "
+        "digits (e.g. digits-0123456789abcdef)",
     )
 
 

@@ -75,7 +75,9 @@ def training_data(n: int = 96) -> TrainingData:
     generator = torch.Generator().manual_seed(1234)
     images = torch.rand(n, 1, 8, 8, generator=generator)
     labels = torch.randint(0, 10, (n,), generator=generator)
-    return TrainingData("snap-test", "f" * 64, images, labels, images[:24], labels[:24])
+    return TrainingData(
+        "snap-test", "f" * 64, images, labels, images[:24], labels[:24], family="digits-cnn"
+    )
 
 
 def training_state(data: TrainingData, *, seed: int = 0, optimizer: str = "adam") -> TrainingState:
@@ -90,10 +92,10 @@ def training_state(data: TrainingData, *, seed: int = 0, optimizer: str = "adam"
     return TrainingState(
         model=model,
         optimizer=opt,
-        data_cursor=EpochSampler(len(data.train_labels), 16, seed=7),
+        data_cursor=EpochSampler(data.num_train_examples, 16, seed=7),
         config={"model": MODEL_CONFIG, "optimizer": optimizer},
         config_sha256="c" * 64,
-        probe_inputs=data.eval_images[:8],
+        probe_inputs=data.eval_inputs[:8],
         lr_scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50),
         data_manifest_sha256=data.manifest_sha256,
         snapshot_id=data.snapshot_id,

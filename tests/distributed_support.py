@@ -19,15 +19,27 @@ from bench.kill_drill import write_config as write_drill_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-def drill_config(workdir: Path, *, max_steps: int, interval: int, keep_last_k: int) -> Path:
-    """A digits snapshot under ``workdir/data`` and the kill drill's trainer config on it in
-    ``workdir/config``, checkpointing every ``interval`` steps; the config's path."""
+def drill_config(
+    workdir: Path, *, max_steps: int, interval: int, keep_last_k: int, family: str = "digits-cnn"
+) -> Path:
+    """A snapshot of ``family``'s data under ``workdir/data`` and the kill drill's trainer
+    config on it in ``workdir/config``, checkpointing every ``interval`` steps; the config's
+    path. text-lm: the tiny model and batch of ``tests.trainer_support.TEXT_CONFIG``."""
+    overrides: dict[str, Any] = {}
+    if family == "text-lm":
+        from tests.trainer_support import TEXT_CONFIG, text_snapshot
+
+        snapshot = text_snapshot(workdir / "data")
+        overrides = {key: TEXT_CONFIG[key] for key in ("model_family", "model", "batch_size")}
+    else:
+        snapshot = make_snapshot(workdir / "data")
     return write_drill_config(
         workdir / "config",
-        make_snapshot(workdir / "data"),
+        snapshot,
         max_steps=max_steps,
         checkpoint_every_steps=interval,
         keep_last_k=keep_last_k,
+        **overrides,
     )
 
 

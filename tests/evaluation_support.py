@@ -114,11 +114,15 @@ def write_checkpoint(
     run_id: str,
     attempt_no: int = 1,
     step: int = 400,
+    config: dict | None = None,
 ) -> Path:
-    """A committed checkpoint in the protocol's layout: files, MANIFEST.json, COMMITTED last."""
+    """A committed checkpoint in the protocol's layout: files, MANIFEST.json, COMMITTED last.
+
+    ``config`` is the trainer state's config (default: a digits model, ``MODEL_CONFIG``)."""
     directory = root / run_id / checkpoint_dir_name(step, attempt_no)
     directory.mkdir(parents=True)
-    trainer_state = {"step": step, "config": {"model": MODEL_CONFIG}, "config_sha256": "test"}
+    config = config if config is not None else {"model": MODEL_CONFIG}
+    trainer_state = {"step": step, "config": config, "config_sha256": "test"}
     files = {
         MODEL_FILE: safetensors_bytes({k: v.contiguous() for k, v in state.items()}),
         OPTIMIZER_FILE: safetensors_bytes({"step": torch.tensor([step])}),
@@ -154,13 +158,13 @@ def manifest_sha256(checkpoint_dir: Path) -> str:
     return json.loads((checkpoint_dir / COMMITTED_FILE).read_text())["manifest_sha256"]
 
 
-def open_ledger(path: Path, snapshot_id: str, *run_ids: str) -> Ledger:
-    """A fresh SQLite ledger holding the training runs the evaluations point at."""
+def open_ledger(path: Path, snapshot_id: str, *run_ids: str, family: str = "digits-cnn") -> Ledger:
+    """A fresh SQLite ledger holding the training runs (of ``family``) the evaluations point at."""
     ledger = Ledger.open(f"sqlite:///{path}")
     for run_id in run_ids:
         ledger.create_run(
             run_id=run_id,
-            model_family="digits-cnn",
+            model_family=family,
             owner="tests",
             purpose="baseline",
             config_sha256="0" * 64,
@@ -198,3 +202,65 @@ def record_committed(ledger: Ledger, checkpoint_dir: Path, snapshot_id: str) -> 
                 created_at=utcnow(), committed_at=utcnow(), fencing_token=1,
             )
         )  # fmt: skip
+
+
+# -- text-lm ----------------------------------------------------------------------------------
+
+TEXT_MODEL_CONFIG = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 64}
+
+
+def text_config() -> dict:
+    """The trainer-state config of a tiny text-lm checkpoint."""
+    return {"model_family": "text-lm", "model": dict(TEXT_MODEL_CONFIG)}
+
+
+@dataclass(frozen=True)
+class TextWorld:
+    """A text snapshot of the shipped corpus and a tiny TextLM trained on it (two strengths)."""
+
+    snapshot: Snapshot
+    trained_state: dict[str, torch.Tensor]  # a few dozen steps: far better than uniform
+    weaker_state: dict[str, torch.Tensor]  # fewer steps: worse per document
+
+
+@functools.cache
+def text_world(base: Path) -> TextWorld:
+    """Built once per session under ``base`` (the shared world's settings' landing and
+    snapshot roots)."""
+    from pipeline.textlm.landing import read_text_snapshot_frame, write_text_landing
+
+    settings = shared_world(base).settings
+    landing = settings.landing_root / "text-lm"
+    write_text_landing(landing)
+    snapshot = create_snapshot(landing, settings.snapshot_root, family="text-lm")
+    frame = read_text_snapshot_frame(snapshot)
+    return TextWorld(
+        snapshot=snapshot,
+        trained_state=train_text(frame, steps=60, seed=0),
+        weaker_state=train_text(frame, steps=15, seed=0),
+    )
+
+
+def train_text(frame, *, steps: int, seed: int) -> dict[str, torch.Tensor]:
+    """``steps`` AdamW steps of the tiny TextLM on the train split's windows; its weights."""
+    from pipeline.textlm.data import training_windows
+    from pipeline.textlm.model import build_model as build_text_model
+
+    windows = training_windows(frame, block_size=TEXT_MODEL_CONFIG["block_size"])
+    torch.manual_seed(seed)
+    model = build_text_model(dict(TEXT_MODEL_CONFIG))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model.train()
+        for _ in range(steps):
+            batch = windows[torch.randint(0, len(windows), (32,), generator=generator)]
+            loss = model.loss(batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -139,7 +139,7 @@ def test_the_cost_query_is_answered_from_the_covering_index(tmp_path: Path) -> N
 def test_head_revision_read_from_the_files_is_alembics_head(tmp_path: Path) -> None:
     cfg = Config()
     cfg.set_main_option("script_location", str(_MIGRATIONS))
-    assert ScriptDirectory.from_config(cfg).get_current_head() == head_revision() == "0007"
+    assert ScriptDirectory.from_config(cfg).get_current_head() == head_revision() == "0008"
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'ledger.db'}")
     assert ledger.schema_revision() == head_revision()
     assert Ledger(f"sqlite:///{tmp_path / 'empty.db'}").schema_revision() is None

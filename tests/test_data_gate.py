@@ -218,7 +218,7 @@ def test_the_trainer_checks_the_pixel_range_itself(tmp_path: Path) -> None:
     ]
     record_verdict(snapshot, forged, snapshot_root=tmp_path / "snapshots")
     with pytest.raises(BadInputError, match=r"pixel values fall outside 0\.\.16"):
-        load_training_data(snapshot.path)
+        load_training_data(snapshot.path, model_family="digits-cnn")
 
 
 def test_with_a_ledger_a_forged_verdict_file_is_not_trusted(tmp_path: Path) -> None:

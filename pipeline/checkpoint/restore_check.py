@@ -106,7 +106,7 @@ def rebuild_training_state(contents: CheckpointContents, *, device: torch.device
     """
     from pipeline.trainer.config import ConfigError, TrainConfig
     from pipeline.trainer.data import EpochSampler
-    from pipeline.trainer.model import build_model
+    from pipeline.trainer.families import family
     from pipeline.trainer.spikes import TrainingHealth
     from pipeline.trainer.train import build_optimizer
 
@@ -128,7 +128,7 @@ def rebuild_training_state(contents: CheckpointContents, *, device: torch.device
     if not isinstance(cursor, dict) or not isinstance(cursor.get("num_examples"), int):
         raise corrupt("has no data_cursor with num_examples")
 
-    model = build_model(cfg.to_dict()["model"]).to(device)
+    model = family(cfg.model_family).build_model(cfg.to_dict()["model"]).to(device)
     optimizer, scheduler = build_optimizer(cfg, model)
     try:
         sampler = EpochSampler(cursor["num_examples"], cfg.batch_size, cfg.seed)

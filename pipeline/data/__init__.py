@@ -28,6 +28,12 @@ if TYPE_CHECKING:
         SnapshotNotFoundError,
         UnknownSplitError,
     )
+    from pipeline.data.families import (
+        DEFAULT_FAMILY,
+        FAMILIES,
+        UnknownFamilyError,
+        landing_dir_for,
+    )
     from pipeline.data.landing import Drift, landing_files, write_digits_landing
     from pipeline.data.quality import QUALITY_CHECK, check_data_quality
     from pipeline.data.snapshot import (
@@ -35,6 +41,7 @@ if TYPE_CHECKING:
         Snapshot,
         create_snapshot,
         describe_landing,
+        family_of_snapshot,
         list_snapshots,
         open_snapshot,
         read_snapshot_frame,
@@ -65,6 +72,9 @@ _HOME = {
         ),
         "errors",
     ),
+    **dict.fromkeys(
+        ("DEFAULT_FAMILY", "FAMILIES", "UnknownFamilyError", "landing_dir_for"), "families"
+    ),
     **dict.fromkeys(("Drift", "landing_files", "write_digits_landing"), "landing"),
     **dict.fromkeys(("QUALITY_CHECK", "check_data_quality"), "quality"),
     **dict.fromkeys(
@@ -73,6 +83,7 @@ _HOME = {
             "Snapshot",
             "create_snapshot",
             "describe_landing",
+            "family_of_snapshot",
             "list_snapshots",
             "open_snapshot",
             "read_snapshot_frame",
@@ -86,7 +97,9 @@ _HOME = {
 __all__ = [
     "COLUMNS",
     "CONTRACT_CHECK",
+    "DEFAULT_FAMILY",
     "DRIFT_CHECK",
+    "FAMILIES",
     "LABEL",
     "PIXEL_COLUMNS",
     "QUALITY_CHECK",
@@ -107,6 +120,7 @@ __all__ = [
     "SnapshotIntegrityError",
     "SnapshotMismatchError",
     "SnapshotNotFoundError",
+    "UnknownFamilyError",
     "UnknownSplitError",
     "check_data_quality",
     "check_schema_contract",
@@ -114,6 +128,8 @@ __all__ = [
     "describe_landing",
     "drift_vs_previous",
     "eval_task_set_version",
+    "family_of_snapshot",
+    "landing_dir_for",
     "landing_files",
     "list_snapshots",
     "open_snapshot",

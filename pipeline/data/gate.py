@@ -9,6 +9,10 @@ nobody checked yet is checked here, on the spot, before anything trains on it.
 
 The gate reads each check's newest verdict (``snapshot_checks``); every evaluation of a check
 is also kept, append-only, in ``snapshot_check_history``, which ``tracks explain`` lists.
+
+Which checks run is the snapshot's family's business (:func:`blocking_outcomes`,
+:func:`drift_outcome`: the digits' pandera and great-expectations suites, or the text ones in
+:mod:`pipeline.textlm`); the check names and the verdict machinery are the same for every family.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 from pipeline import ids, safepath
 from pipeline.data.checks import CheckOutcome
 from pipeline.data.errors import BlockedSnapshotError, SnapshotTamperedError
-from pipeline.data.snapshot import Snapshot, read_snapshot_frame
+from pipeline.data.families import TEXT
+from pipeline.data.snapshot import Snapshot, list_snapshots, read_snapshot_frame
 from pipeline.digests import sha256_json
 from pipeline.durable import make_dir_durably, replace_atomically
 
@@ -79,18 +84,74 @@ def content_sha256(snapshot: Snapshot) -> str:
     return sha256_json([[f["sha256"], f["bytes"]] for f in snapshot.manifest["files"]])
 
 
-def run_blocking_checks(
-    snapshot: Snapshot, frame: pd.DataFrame | None = None
-) -> list[CheckVerdict]:
-    """The pandera contract and the great-expectations suite on the verified snapshot."""
+def read_check_frame(snapshot: Snapshot, *, verify: bool = True) -> pd.DataFrame:
+    """The snapshot's rows as its family's checks read them (verified first unless told not to).
+
+    Text is read by :func:`pipeline.textlm.landing.read_text_snapshot_frame`, which keeps bytes
+    that are not UTF-8 (as lone surrogates) for the contract to name, where pyarrow's reader
+    would fail naming no row.
+    """
+    if snapshot.family == TEXT:
+        from pipeline.textlm.landing import read_text_snapshot_frame
+
+        return read_text_snapshot_frame(snapshot, verify=verify)
+    return read_snapshot_frame(snapshot, verify=verify)
+
+
+def blocking_outcomes(snapshot: Snapshot, frame: pd.DataFrame) -> tuple[CheckOutcome, ...]:
+    """The family's blocking checks on ``frame`` (the snapshot's rows): the pandera contract
+    (``schema_contract``), then the great-expectations suite (``data_quality``)."""
+    # Imported per family: a digits trainer never loads the text checks, nor the reverse.
+    if snapshot.family == TEXT:
+        from pipeline.textlm.contract import check_text_contract
+        from pipeline.textlm.quality import check_text_quality
+
+        return check_text_contract(frame), check_text_quality(frame)
     from pipeline.data.contract import check_schema_contract
     from pipeline.data.quality import check_data_quality
 
-    frame = read_snapshot_frame(snapshot) if frame is None else frame
-    return [
-        CheckVerdict.of(check_schema_contract(frame), blocking=True),
-        CheckVerdict.of(check_data_quality(frame), blocking=True),
+    return check_schema_contract(frame), check_data_quality(frame)
+
+
+def drift_outcome(
+    snapshot: Snapshot, frame: pd.DataFrame, previous: pd.DataFrame | None
+) -> CheckOutcome:
+    """``drift_vs_previous`` for the snapshot's family: ``previous`` is the baseline's rows
+    (:func:`drift_baseline`), None when there is none."""
+    if snapshot.family == TEXT:
+        from pipeline.textlm.drift import drift_vs_previous as text_drift
+
+        return text_drift(frame, previous)
+    from pipeline.data.drift import drift_vs_previous
+
+    return drift_vs_previous(frame, previous)
+
+
+def drift_baseline(
+    snapshot: Snapshot, *, snapshot_root: Path, ledger: Ledger | None
+) -> Snapshot | None:
+    """The newest other snapshot of the same family whose blocking checks passed, or None.
+
+    A snapshot that failed its checks is no baseline (drift against bad data says nothing),
+    and nor is another family's: text bytes against digit pixels is no distance at all.
+    """
+    earlier = [
+        s
+        for s in list_snapshots(snapshot_root)
+        if s.snapshot_id != snapshot.snapshot_id and s.family == snapshot.family
     ]
+    for candidate in reversed(earlier):
+        if passed_checks(candidate, snapshot_root=snapshot_root, ledger=ledger):
+            return candidate
+    return None
+
+
+def run_blocking_checks(
+    snapshot: Snapshot, frame: pd.DataFrame | None = None
+) -> list[CheckVerdict]:
+    """The family's pandera contract and great-expectations suite on the verified snapshot."""
+    frame = read_check_frame(snapshot) if frame is None else frame
+    return [CheckVerdict.of(o, blocking=True) for o in blocking_outcomes(snapshot, frame)]
 
 
 def verdict_path(snapshot_root: Path, snapshot: Snapshot) -> Path:

@@ -21,6 +21,7 @@ from pipeline.data.columns import (
     SPLIT_EVAL,
     SPLIT_TRAIN,
 )
+from pipeline.data.families import FAMILY_LANDING_SUBDIRS
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -84,6 +85,9 @@ def write_digits_landing(
 def landing_files(landing_dir: Path) -> list[Path]:
     """The Parquet files under ``landing_dir`` in sorted order, skipping hidden and temp files.
 
+    Another family's landing folder directly below (``text-lm/``) is not this folder's data:
+    the digits land in the landing root itself, and a text file must never enter their snapshot.
+
     A file reached through a symlink is refused (:class:`~pipeline.safepath.UnsafePathError`),
     not skipped: a snapshot would otherwise copy bytes from outside the folder, or quietly
     leave data out. So is a landing folder that is a symlink, or lies under one.
@@ -97,6 +101,8 @@ def landing_files(landing_dir: Path) -> list[Path]:
         relative = path.relative_to(landing_dir)
         # Dot- and underscore-prefixed names are in-flight writes (ours, Spark's _temporary).
         if any(part.startswith((".", "_")) for part in relative.parts):
+            continue
+        if len(relative.parts) > 1 and relative.parts[0] in FAMILY_LANDING_SUBDIRS:
             continue
         safepath.no_symlinks(landing_dir, path)
         if path.is_file():

@@ -3,8 +3,13 @@
 Layout::
 
     <snapshot_root>/<snapshot_id>/
-        manifest.json   snapshot id, files (name, bytes, sha256, rows), row count, columns
+        manifest.json   snapshot id, family, files (name, bytes, sha256, rows), row count,
+                        columns
         data/…          the landing files, byte for byte, read-only
+
+A snapshot holds data for one model family (:mod:`pipeline.data.families`): its id starts with
+the family's prefix (``digits-…``, ``text-…``) and its manifest names the family. A manifest
+without a ``family`` key was written before there were two: it holds digits.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline import safepath
+from pipeline import ids, safepath
 from pipeline.data._fs import fsync_dir, fsync_file
 from pipeline.data.errors import (
     LandingChangedError,
@@ -29,13 +34,18 @@ from pipeline.data.errors import (
     SnapshotMismatchError,
     SnapshotNotFoundError,
 )
+from pipeline.data.families import (
+    DEFAULT_FAMILY,
+    UnknownFamilyError,
+    family_data,
+    family_of_prefix,
+)
 from pipeline.data.landing import landing_files
 from pipeline.digests import sha256_bytes, sha256_file, sha256_json
 
 if TYPE_CHECKING:
     import pandas as pd
 
-SNAPSHOT_ID_PREFIX = "digits-"
 MANIFEST_NAME = "manifest.json"
 DATA_DIR = "data"
 MANIFEST_VERSION = 1
@@ -62,6 +72,11 @@ class Snapshot:
     manifest: dict[str, Any]
     manifest_sha256: str
     row_count: int
+
+    @property
+    def family(self) -> str:
+        """The model family the data is for (``digits-cnn`` when the manifest predates it)."""
+        return str(self.manifest.get("family", DEFAULT_FAMILY))
 
     @property
     def data_dir(self) -> Path:
@@ -97,15 +112,30 @@ def describe_landing(landing_dir: Path) -> list[LandingFile]:
     return described
 
 
-def snapshot_id_for(landing_dir: Path) -> str:
-    """The id a snapshot of ``landing_dir`` would get: same bytes, same id; any change, new id."""
-    return _snapshot_id((f.name, f.sha256, f.bytes) for f in describe_landing(landing_dir))
+def snapshot_id_for(landing_dir: Path, *, family: str = DEFAULT_FAMILY) -> str:
+    """The id a snapshot of ``landing_dir`` would get: same bytes, same id; any change, new id.
+
+    The family picks the prefix (``digits-``, ``text-``); raises
+    :class:`~pipeline.data.families.UnknownFamilyError` for a family no snapshot holds.
+    """
+    family_data(family)  # an unknown family is named before the landing files are read
+    files = describe_landing(landing_dir)
+    return _snapshot_id(((f.name, f.sha256, f.bytes) for f in files), family)
+
+
+def family_of_snapshot(snapshot_id: str) -> str:
+    """The model family a snapshot id names by its prefix (``text-…`` → ``text-lm``).
+
+    Raises :class:`~pipeline.ids.InvalidIdError` for anything that is not a snapshot id.
+    """
+    return family_of_prefix(ids.snapshot_id(snapshot_id).rsplit("-", 1)[0])
 
 
 def create_snapshot(
     landing_dir: Path,
     snapshot_root: Path,
     *,
+    family: str = DEFAULT_FAMILY,
     expected_id: str | None = None,
     source: str | None = None,
 ) -> Snapshot:
@@ -115,11 +145,14 @@ def create_snapshot(
     verified and returned unchanged (snapshots are immutable). ``expected_id`` guards a
     partition registered earlier: if the landing data now hashes differently, raise
     :class:`SnapshotMismatchError` rather than snapshot something else under its name.
+    ``family`` names what the data is for; it picks the id's prefix and is written in the
+    manifest.
     """
     landing_dir = Path(landing_dir)
     snapshot_root = Path(snapshot_root)
+    family_data(family)
     files = describe_landing(landing_dir)
-    snapshot_id = _snapshot_id((f.name, f.sha256, f.bytes) for f in files)
+    snapshot_id = _snapshot_id(((f.name, f.sha256, f.bytes) for f in files), family)
     if expected_id is not None and snapshot_id != expected_id:
         raise SnapshotMismatchError(landing_dir, expected_id, snapshot_id)
 
@@ -137,6 +170,7 @@ def create_snapshot(
         manifest = {
             "manifest_version": MANIFEST_VERSION,
             "snapshot_id": snapshot_id,
+            "family": family,
             "created_at": datetime.now(UTC).isoformat(),
             "source": source if source is not None else str(landing_dir.resolve()),
             "files": entries,
@@ -193,6 +227,9 @@ def open_snapshot(snapshot_root_or_dir: Path, snapshot_id: str | None = None) ->
         raise SnapshotIntegrityError(
             path, [(MANIFEST_NAME, f"names snapshot {found_id!r} but lives in {path.name!r}")]
         )
+    problem = _manifest_family_problem(found_id, manifest.get("family", DEFAULT_FAMILY))
+    if problem is not None:
+        raise SnapshotIntegrityError(path, [(MANIFEST_NAME, problem)])
     return Snapshot(
         snapshot_id=found_id,
         path=path,
@@ -236,7 +273,9 @@ def verify_snapshot(snapshot: Snapshot) -> None:
         )
 
     entries = snapshot.manifest["files"]
-    content_id = _snapshot_id((e["name"], e["sha256"], e["bytes"]) for e in entries)
+    content_id = _snapshot_id(
+        ((e["name"], e["sha256"], e["bytes"]) for e in entries), snapshot.family
+    )
     if content_id != snapshot.snapshot_id:
         problems.append(
             (MANIFEST_NAME, f"file list hashes to {content_id}, not {snapshot.snapshot_id}")
@@ -306,9 +345,21 @@ def _manifest_files_problem(files: Any) -> str | None:
     return None
 
 
-def _snapshot_id(entries: Any) -> str:
+def _manifest_family_problem(snapshot_id: str, family: Any) -> str | None:
+    # The family is covered by the id only through its prefix: a manifest whose "family" key
+    # was edited would send the data through another family's checks and trainer.
+    try:
+        prefix = family_data(family).snapshot_prefix
+    except UnknownFamilyError:
+        return f"names unknown family {family!r}"
+    if not snapshot_id.startswith(prefix + "-"):
+        return f"names family {family!r}, whose ids start {prefix + '-'!r}, not {snapshot_id!r}"
+    return None
+
+
+def _snapshot_id(entries: Any, family: str) -> str:
     canonical = [[name, sha256, size] for name, sha256, size in entries]
-    return SNAPSHOT_ID_PREFIX + sha256_json(canonical)[:16]
+    return f"{family_data(family).snapshot_prefix}-{sha256_json(canonical)[:16]}"
 
 
 def _open_verified(path: Path) -> Snapshot:

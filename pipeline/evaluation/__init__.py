@@ -9,10 +9,17 @@ from pipeline.evaluation.errors import (
     EvalSetError,
     EvaluationError,
     EvaluatorCrashError,
+    FamilyMismatchError,
     UnknownEvaluatorError,
 )
-from pipeline.evaluation.eval_set import EvalSet
-from pipeline.evaluation.evaluators import EVALUATORS, get_evaluator, required_evaluators
+from pipeline.evaluation.eval_set import EvalSet, text_eval_set
+from pipeline.evaluation.evaluators import (
+    EVALUATORS,
+    evaluator_versions,
+    family_evaluators,
+    get_evaluator,
+    required_evaluators,
+)
 from pipeline.evaluation.run import run_evaluation
 
 __all__ = [
@@ -25,9 +32,13 @@ __all__ = [
     "Evaluator",
     "EvaluatorCrashError",
     "EvaluatorResult",
+    "FamilyMismatchError",
     "UnknownEvaluatorError",
     "code_digest",
+    "evaluator_versions",
+    "family_evaluators",
     "get_evaluator",
     "required_evaluators",
     "run_evaluation",
+    "text_eval_set",
 ]

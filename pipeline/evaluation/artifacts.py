@@ -12,6 +12,8 @@ RAW_OUTPUTS = "raw_outputs.parquet"
 FAILURES = "failures.json"
 METRICS = "metrics.json"
 CONFUSION_MATRIX = "confusion_matrix.png"
+# The generation samples as an MLflow table (``log_table``) on the evaluation's run.
+SAMPLES_TABLE = "generation_samples.json"
 
 
 def write_artifacts(
@@ -25,14 +27,21 @@ def write_artifacts(
     result.raw_outputs.to_parquet(raw_path, index=False)
     written.append(raw_path)
 
-    wrong = int((~result.raw_outputs["correct"]).sum())
+    if "correct" in result.raw_outputs.columns:  # a classifier's outputs
+        total: int | None = int((~result.raw_outputs["correct"]).sum())
+        order = "most confident wrong predictions first"
+    else:
+        # A text evaluator has no right or wrong answer per example: it hands back its worst
+        # examples (hardest documents, worst-judged samples, contaminated items) itself.
+        total = None
+        order = "as the evaluator ranks them, worst first"
     failures_path = out_dir / FAILURES
     failures_path.write_text(
         json.dumps(
             {
-                "total_failures": wrong,
+                "total_failures": total,
                 "sampled": len(result.failures),
-                "order": "most confident wrong predictions first",
+                "order": order,
                 "failures": json.loads(result.failures.to_json(orient="records")),
             },
             indent=2,

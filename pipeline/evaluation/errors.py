@@ -58,3 +58,15 @@ class CheckpointAttemptMismatchError(EvaluationError):
             f"not by attempt {expected} as the caller said"
         )
         self.checkpoint_path = checkpoint_path
+
+
+class FamilyMismatchError(EvaluationError):
+    """A checkpoint of one model family evaluated on (or compared with) another family's data."""
+
+    def __init__(self, what: str, family: str, other: str, other_family: str) -> None:
+        super().__init__(
+            f"{what} is model family {family}, but {other} is {other_family}; a family is "
+            f"evaluated on its own data only"
+        )
+        self.family = family
+        self.other_family = other_family

@@ -11,6 +11,8 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
+    from pipeline.textlm.eval_set import TextEvalSet
+
 
 @dataclass(frozen=True, eq=False)
 class EvalSet:
@@ -62,3 +64,28 @@ class EvalSet:
             labels=labels,
             sample_ids=rows["sample_id"].tolist(),
         )
+
+
+def text_eval_set(snapshot: Any, training_snapshot: Any | None = None) -> TextEvalSet:
+    """The text-lm evaluation inputs of an opened text snapshot (verified as it is read).
+
+    ``training_snapshot`` is the snapshot the evaluated run trained on (the contamination
+    check's reference); None or the same snapshot: ``snapshot`` itself.
+    """
+    from pipeline.data.families import TEXT
+    from pipeline.textlm.eval_set import TextEvalSet
+    from pipeline.textlm.landing import read_text_snapshot_frame
+
+    for opened in (snapshot, training_snapshot):
+        if opened is not None and opened.family != TEXT:
+            raise EvalSetError(
+                opened.snapshot_id, f"holds {opened.family} data, not {TEXT} documents"
+            )
+    frame = read_text_snapshot_frame(snapshot)
+    same = training_snapshot is None or training_snapshot.snapshot_id == snapshot.snapshot_id
+    return TextEvalSet.from_frame(
+        frame,
+        snapshot_id=snapshot.snapshot_id,
+        training_frame=None if same else read_text_snapshot_frame(training_snapshot),
+        training_snapshot_id=None if same else training_snapshot.snapshot_id,
+    )

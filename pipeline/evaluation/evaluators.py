@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from pipeline.data.families import DIGITS, FAMILIES, TEXT, UnknownFamilyError
 from pipeline.evaluation.base import ClassifierEvaluator, Evaluator, EvaluatorResult
 from pipeline.evaluation.errors import UnknownEvaluatorError
 
@@ -113,19 +115,56 @@ class NoiseRobustness(ClassifierEvaluator):
         )
 
 
+# The digits-cnn family's evaluators (the family Tracks began with; its callers name them so).
 EVALUATORS: dict[str, Evaluator] = {
     evaluator.name: evaluator for evaluator in (HoldoutAccuracy(), NoiseRobustness())
 }
 
 
-def required_evaluators() -> list[str]:
-    """Names of the evaluators a checkpoint needs complete evaluations from to be promoted."""
-    return sorted(name for name, evaluator in EVALUATORS.items() if evaluator.required)
+@functools.cache
+def _text_evaluators() -> dict[str, Any]:
+    # Imported on first use: the text evaluators bring torch, and a digits step never needs them.
+    # The generation evaluator is registered unbound: it judges with the judge fitted on the
+    # eval split it is given (run_evaluation binds it before recording its judge).
+    from pipeline.textlm.evaluators import Contamination, GenerationJudged, HeldoutBitsPerByte
+
+    registered = (HeldoutBitsPerByte(), GenerationJudged(), Contamination())
+    return {evaluator.name: evaluator for evaluator in registered}
 
 
-def get_evaluator(name: str) -> Evaluator:
-    """The registered evaluator called ``name``."""
-    try:
-        return EVALUATORS[name]
-    except KeyError:
-        raise UnknownEvaluatorError(name, sorted(EVALUATORS)) from None
+def family_evaluators(family: str = DIGITS) -> dict[str, Any]:
+    """The evaluators every committed checkpoint of ``family`` is evaluated by, by name.
+
+    digits-cnn: :class:`Evaluator`s over image tensors; text-lm: the
+    ``pipeline.textlm.evaluators`` over a ``TextEvalSet``. Raises ``UnknownFamilyError``.
+    """
+    if family == DIGITS:
+        return dict(EVALUATORS)
+    if family == TEXT:
+        return dict(_text_evaluators())
+    raise UnknownFamilyError(family)
+
+
+def required_evaluators(family: str = DIGITS) -> list[str]:
+    """Names of the evaluators a checkpoint of ``family`` needs complete evaluations from to be
+    promoted."""
+    return sorted(name for name, e in family_evaluators(family).items() if e.required)
+
+
+def evaluator_versions() -> dict[str, str]:
+    """The current version of every registered evaluator, of every family, by name."""
+    return {name: e.version for f in FAMILIES for name, e in family_evaluators(f).items()}
+
+
+def get_evaluator(name: str, family: str | None = None) -> Any:
+    """The registered evaluator called ``name`` (of ``family`` when given, else of any)."""
+    for candidate in (family,) if family is not None else FAMILIES:
+        found = family_evaluators(candidate).get(name)
+        if found is not None:
+            return found
+    known = sorted(family_evaluators(family)) if family is not None else _all_names()
+    raise UnknownEvaluatorError(name, known)
+
+
+def _all_names() -> list[str]:
+    return sorted(name for f in FAMILIES for name in family_evaluators(f))

@@ -7,6 +7,7 @@ artifacts themselves (raw outputs, sampled failures, metrics, confusion matrix).
 
 from __future__ import annotations
 
+import copy
 import tempfile
 import time
 import uuid
@@ -14,9 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline import envvars, redact
-from pipeline.evaluation.artifacts import FAILURES, RAW_OUTPUTS, write_artifacts
-from pipeline.evaluation.errors import CheckpointAttemptMismatchError, EvaluatorCrashError
-from pipeline.evaluation.eval_set import EvalSet
+from pipeline.data.families import DIGITS, TEXT
+from pipeline.evaluation.artifacts import FAILURES, RAW_OUTPUTS, SAMPLES_TABLE, write_artifacts
+from pipeline.evaluation.errors import (
+    CheckpointAttemptMismatchError,
+    EvaluatorCrashError,
+    FamilyMismatchError,
+)
+from pipeline.evaluation.eval_set import EvalSet, text_eval_set
 from pipeline.evaluation.evaluators import get_evaluator
 from pipeline.evaluation.health import checkpoint_health, health_tags
 from pipeline.ledger.ledger import utcnow
@@ -36,6 +42,7 @@ if TYPE_CHECKING:
     from pipeline.ledger import Ledger
     from pipeline.serving.loading import CommittedCheckpoint
     from pipeline.settings import TracksSettings
+    from pipeline.textlm.evaluators import TextEvaluator
 
 
 def new_evaluation_id(evaluator_name: str) -> str:
@@ -48,7 +55,7 @@ def run_evaluation(
     snapshot: Any,
     ledger: Ledger,
     settings: TracksSettings,
-    evaluator: Evaluator | str,
+    evaluator: Evaluator | TextEvaluator | str,
     run_id: str,
     attempt_no: int,
     dagster_run_id: str | None = None,
@@ -56,7 +63,10 @@ def run_evaluation(
     """Evaluate a committed checkpoint on a snapshot's eval split and record it everywhere.
 
     ``snapshot`` is an opened ``pipeline.data.snapshot.Snapshot`` (or an :class:`EvalSet`
-    already built from one). Returns the ``complete`` ledger row. If the evaluator raises, a
+    or ``TextEvalSet`` already built from one); its family must be the checkpoint's (the
+    trainer state's ``config.model_family``), else :class:`FamilyMismatchError`. A text-lm
+    evaluation's training side is the run's snapshot (the ledger's), and the row carries the
+    evaluator's ``provenance``. Returns the ``complete`` ledger row. If the evaluator raises, a
     ``failed`` row with termination reason ``evaluator_crash`` is recorded and
     :class:`EvaluatorCrashError` is raised. A checkpoint that fails verification
     (``CorruptCheckpointError``) or was committed by another attempt than ``run_id#attempt_no``
@@ -66,14 +76,24 @@ def run_evaluation(
     from pipeline.mlflow_setup import EVALUATION_EXPERIMENT, get_or_create_experiment, mlflow_client
     from pipeline.serving.loading import load_committed_checkpoint
 
-    if isinstance(evaluator, str):
-        evaluator = get_evaluator(evaluator)
     started_at = utcnow()
     checkpoint, model = load_committed_checkpoint(checkpoint_dir)
     _check_attempt(checkpoint, run_id, attempt_no)
+    family = checkpoint.family or DIGITS
+    if isinstance(evaluator, str):
+        evaluator = get_evaluator(evaluator, family)
+    elif _family_of(evaluator) != family:
+        raise FamilyMismatchError(
+            f"evaluator {evaluator.name}",
+            _family_of(evaluator),
+            f"checkpoint {checkpoint.path}",
+            family,
+        )
     # The spike history the checkpoint carries is part of what was evaluated.
     training_health = checkpoint_health(checkpoint.path, checkpoint.manifest_sha256)
-    eval_set = snapshot if isinstance(snapshot, EvalSet) else EvalSet.from_snapshot(snapshot)
+    eval_set = _eval_set(snapshot, family, checkpoint, ledger, settings, run_id)
+    if family == TEXT:
+        evaluator = _bound(evaluator, eval_set)
 
     evaluation_id = new_evaluation_id(evaluator.name)
     provenance: dict[str, Any] = {
@@ -129,9 +149,12 @@ def run_evaluation(
         _log_params(client, mlflow_run_id, provenance)
         try:
             _fault_evaluator_crash(ledger, evaluator.name, checkpoint.manifest_sha256)
-            result = evaluator.evaluate(
-                model, eval_set.images, eval_set.labels, list(eval_set.sample_ids)
-            )
+            if family == TEXT:
+                result = evaluator.evaluate(model, eval_set)
+            else:
+                result = evaluator.evaluate(
+                    model, eval_set.images, eval_set.labels, list(eval_set.sample_ids)
+                )
         except Exception as exc:
             detail = redact.text(
                 f"evaluator {evaluator.name} raised {type(exc).__name__} on checkpoint "
@@ -173,8 +196,82 @@ def run_evaluation(
             failures_uri=f"{artifact_uri}/{FAILURES}",
             mlflow_run_id=mlflow_run_id,
             ended_at=utcnow(),
+            provenance=_evaluator_provenance(result),
         )
     )
+
+
+def _evaluator_provenance(result: EvaluatorResult) -> dict[str, Any] | None:
+    """What a text-lm evaluator recorded as the inputs of its figures (None for digits, whose
+    provenance is the row's own columns)."""
+    provenance = getattr(result, "provenance", None)
+    return dict(provenance) if provenance else None
+
+
+def _eval_set(
+    snapshot: Any,
+    family: str,
+    checkpoint: CommittedCheckpoint,
+    ledger: Ledger,
+    settings: TracksSettings,
+    run_id: str,
+) -> Any:
+    """The family's evaluation inputs: ``snapshot`` as given (an ``EvalSet`` or ``TextEvalSet``
+    built already) or built from the opened snapshot, whose family must be the checkpoint's.
+
+    A text-lm evaluation set's training side (the contamination check's reference) is the
+    snapshot the run trained on, as the ledger records it: the evaluated snapshot when the
+    run trained on it, another when an evaluation set was landed on its own.
+    """
+    from pipeline.data.snapshot import open_snapshot
+    from pipeline.textlm.eval_set import TextEvalSet
+
+    built = TextEvalSet if family == TEXT else EvalSet
+    if isinstance(snapshot, EvalSet | TextEvalSet):
+        if not isinstance(snapshot, built):
+            other = DIGITS if isinstance(snapshot, EvalSet) else TEXT
+            raise FamilyMismatchError(
+                f"checkpoint {checkpoint.path}",
+                family,
+                f"the evaluation set {snapshot.snapshot_id}",
+                other,
+            )
+        return snapshot
+    if snapshot.family != family:
+        raise FamilyMismatchError(
+            f"checkpoint {checkpoint.path}",
+            family,
+            f"snapshot {snapshot.snapshot_id}",
+            snapshot.family,
+        )
+    if family != TEXT:
+        return EvalSet.from_snapshot(snapshot)
+    trained_on = ledger.get_run(run_id).snapshot_id
+    training = (
+        snapshot
+        if trained_on == snapshot.snapshot_id
+        else open_snapshot(settings.snapshot_root, trained_on)
+    )
+    return text_eval_set(snapshot, training)
+
+
+def _family_of(evaluator: Any) -> str:
+    """The family an evaluator evaluates: text-lm's read a TextEvalSet, the others tensors."""
+    from pipeline.textlm.evaluators import TextEvaluator
+
+    return TEXT if isinstance(evaluator, TextEvaluator) else DIGITS
+
+
+def _bound(evaluator: Any, eval_set: Any) -> Any:
+    """The generation evaluator judging with the judge fitted on ``eval_set`` (its recorded
+    ``judge_model`` is then that judge's version and digest); any other evaluator as it is."""
+    from pipeline.textlm.evaluators import GenerationJudged
+
+    if isinstance(evaluator, GenerationJudged) and evaluator.judge is None:
+        bound = copy.copy(evaluator)
+        bound.judge = eval_set.judge
+        return bound
+    return evaluator
 
 
 class InjectedEvaluatorCrash(RuntimeError):
@@ -245,10 +342,41 @@ def _log_params(client: MlflowClient, mlflow_run_id: str, provenance: dict[str, 
     flat: dict[str, Any] = {}
     for key, value in provenance.items():
         if key == "decoding_params":
-            flat.update({f"decoding.{k}": v for k, v in value.items()})
+            flat.update(_flat(value, "decoding."))  # text-lm's greedy/sampled nest one deeper
         elif value is not None:
             flat[key] = value
-    client.log_batch(mlflow_run_id, params=[Param(k, str(v)) for k, v in sorted(flat.items())])
+    params = [Param(k, str(v)) for k, v in sorted(flat.items())]
+    for start in range(0, len(params), 100):  # log_batch takes at most 100 params a call
+        client.log_batch(mlflow_run_id, params=params[start : start + 100])
+
+
+def _flat(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+# The text-lm provenance leaves worth a column in MLflow's run table; all of it is in the
+# evaluation's metrics.json and the ledger row's provenance.
+_PROVENANCE_PARAMS = (
+    "model_digest",
+    "tokenizer.digest",
+    "prompt_set.digest",
+    "template.name",
+    "template.digest",
+    "judge.digest",
+    "judge.version",
+    "training_snapshot_id",
+    "threshold",
+    "overlap_fraction",
+    "contaminated",
+    "torch_version",
+    "torch_threads",
+)
 
 
 def _log_result(
@@ -279,12 +407,49 @@ def _log_result(
         f"{evaluator.name} · {provenance['run_id']}#{provenance['attempt_no']} "
         f"step {provenance['checkpoint_step']} · {provenance['checkpoint_manifest_sha256'][:12]}"
     )
+    recorded = dict(provenance)
+    if evaluator_provenance := _evaluator_provenance(result):
+        recorded["evaluator_provenance"] = evaluator_provenance
+        _log_evaluator_provenance(client, mlflow_run_id, evaluator_provenance)
     with tempfile.TemporaryDirectory(prefix="tracks-eval-") as tmp:
-        for path in write_artifacts(result, Path(tmp), title=title, provenance=provenance):
+        for path in write_artifacts(result, Path(tmp), title=title, provenance=recorded):
             client.log_artifact(mlflow_run_id, str(path))
         raw_outputs_sha256 = sha256_file(Path(tmp) / RAW_OUTPUTS)
+    if _is_generation(result):
+        # Every sample, readable in MLflow's evaluation view beside the run's metrics.
+        client.log_table(mlflow_run_id, data=_samples_table(result), artifact_file=SAMPLES_TABLE)
     client.set_tag(mlflow_run_id, "tracks.raw_outputs_sha256", raw_outputs_sha256)
     return raw_outputs_sha256
+
+
+def _log_evaluator_provenance(
+    client: MlflowClient, mlflow_run_id: str, provenance: dict[str, Any]
+) -> None:
+    from mlflow.entities import Param
+
+    flat = _flat(provenance, "")
+    params = [
+        Param(f"provenance.{key}", str(flat[key])) for key in _PROVENANCE_PARAMS if key in flat
+    ]
+    params += [
+        Param(f"not_applicable.{key}", reason[:500])
+        for key, reason in sorted((provenance.get("not_applicable") or {}).items())
+    ]
+    if params:
+        client.log_batch(mlflow_run_id, params=params)
+
+
+def _is_generation(result: EvaluatorResult) -> bool:
+    return {"sample_index", "mode", "output_sha256"} <= set(result.raw_outputs.columns)
+
+
+def _samples_table(result: EvaluatorResult) -> Any:
+    """The generation samples as MLflow shows them: every column, missing seeds empty."""
+    import pandas as pd
+
+    frame = result.raw_outputs.copy()
+    frame["seed"] = [None if pd.isna(s) else int(s) for s in frame["seed"].astype(object)]
+    return frame
 
 
 def _first_line(exc: BaseException) -> str:

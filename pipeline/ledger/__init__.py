@@ -5,6 +5,7 @@ from pipeline.ledger.errors import (
     SnapshotManifestChangedError,
     StaleFencingTokenError,
     UnknownAttemptError,
+    UnknownEvaluationError,
     UnknownRunError,
     UnknownSnapshotError,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "SnapshotRecord",
     "StaleFencingTokenError",
     "UnknownAttemptError",
+    "UnknownEvaluationError",
     "UnknownRunError",
     "UnknownSnapshotError",
 ]

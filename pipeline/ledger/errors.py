@@ -13,6 +13,12 @@ class UnknownRunError(LedgerError):
         self.run_id = run_id
 
 
+class UnknownEvaluationError(LedgerError):
+    def __init__(self, evaluation_id: str) -> None:
+        super().__init__(f"evaluation {evaluation_id!r} is not in the ledger")
+        self.evaluation_id = evaluation_id
+
+
 class UnknownAttemptError(LedgerError):
     def __init__(self, run_id: str, attempt_no: int) -> None:
         super().__init__(f"attempt {run_id}#{attempt_no} is not in the ledger")

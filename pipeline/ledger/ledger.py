@@ -27,6 +27,7 @@ from pipeline.ledger.errors import (
     SnapshotManifestChangedError,
     StaleFencingTokenError,
     UnknownAttemptError,
+    UnknownEvaluationError,
     UnknownRunError,
     UnknownSnapshotError,
 )
@@ -868,6 +869,15 @@ class Ledger:
             .order_by(t.c.started_at),
             EvaluationRecord,
         )
+
+    def get_evaluation(self, evaluation_id: str) -> EvaluationRecord:
+        t = schema.evaluations
+        found = self._records(
+            sa.select(t).where(t.c.evaluation_id == evaluation_id), EvaluationRecord
+        )
+        if not found:
+            raise UnknownEvaluationError(evaluation_id)
+        return found[0]
 
     def evaluations_for_run(self, run_id: str) -> list[EvaluationRecord]:
         t = schema.evaluations

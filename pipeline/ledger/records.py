@@ -128,6 +128,9 @@ class EvaluationRecord(_Record):
     # totals: spikes, skipped_updates, rollbacks, stops, skipped_batches); None for a checkpoint
     # written without a detector. pipeline/evaluation/health.py.
     training_health: dict[str, Any] | None = None
+    # What a text-lm evaluator recorded as the inputs of its figures (prompt set, template,
+    # decoding, seed, judge, contamination, ...): pipeline/textlm/evaluators.py. None for digits.
+    provenance: dict[str, Any] | None = None
 
     # Provenance fields that must be present and non-empty for a promotion to count this row.
     PROVENANCE_FIELDS = (

@@ -140,6 +140,8 @@ evaluations = sa.Table(
     sa.Column("ended_at", UTCDateTime),
     # The spike history the evaluated checkpoint carries (migration 0007).
     sa.Column("training_health", JSONType),
+    # Every input that decided a text-lm evaluation's figures (migration 0008).
+    sa.Column("provenance", JSONType),
     sa.Index("ix_evaluations_checkpoint", "checkpoint_manifest_sha256", "evaluator_name"),
 )
 

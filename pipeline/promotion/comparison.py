@@ -8,6 +8,7 @@ paired by sample id and compared with a seeded paired bootstrap of the accuracy 
 from __future__ import annotations
 
 import io
+import math
 import os
 import tempfile
 from collections.abc import Callable, Mapping
@@ -67,17 +68,93 @@ class PairedOutcomes:
         return float(self.correct.mean())
 
 
-OutcomesLoader = Callable[["EvaluationRecord"], PairedOutcomes]
+@dataclass(frozen=True, eq=False)
+class PairedBits:
+    """One language-model evaluation's per-document likelihood: ``bits[i]`` over ``bytes[i]``
+    for document ``sample_ids[i]`` (lower is better).
+
+    The headline, bits per byte, is ``sum(bits) / sum(bytes)``: every byte weighs the same, as
+    in the evaluator's own figure, so a resample of documents is a resample of their bytes.
+    """
+
+    evaluation_id: str
+    raw_outputs_sha256: str
+    sample_ids: tuple[Any, ...]
+    bits: np.ndarray  # float, one per sample id
+    bytes: np.ndarray  # int, one per sample id
+
+    @classmethod
+    def from_frame(cls, frame: Any, *, evaluation_id: str, raw_outputs_sha256: str) -> PairedBits:
+        """From a raw outputs frame with one row per document (``sample_id``, ``bits``,
+        ``bytes``)."""
+        for column in ("sample_id", "bits", "bytes"):
+            if column not in frame.columns:
+                raise OutcomesError(evaluation_id, f"has no column {column!r}")
+        if frame["sample_id"].duplicated().any():
+            raise OutcomesError(evaluation_id, "holds more than one row per sample id")
+        if frame.empty or int(frame["bytes"].sum()) <= 0:
+            raise OutcomesError(evaluation_id, "holds no documents")
+        ordered = frame.sort_values("sample_id", kind="stable")
+        return cls(
+            evaluation_id=evaluation_id,
+            raw_outputs_sha256=raw_outputs_sha256,
+            sample_ids=tuple(ordered["sample_id"].tolist()),
+            bits=ordered["bits"].to_numpy(dtype="float64"),
+            bytes=ordered["bytes"].to_numpy(dtype="int64"),
+        )
+
+    @property
+    def bits_per_byte(self) -> float:
+        return float(self.bits.sum() / self.bytes.sum())
 
 
-def load_outcomes(record: EvaluationRecord, settings: TracksSettings) -> PairedOutcomes:
-    """The per-example outcomes of ``record``, from its raw outputs file as the ledger vouches.
+Outcomes = PairedOutcomes | PairedBits
+OutcomesLoader = Callable[["EvaluationRecord"], Outcomes]
+
+
+def load_outcomes(record: EvaluationRecord, settings: TracksSettings) -> Outcomes:
+    """The per-example outcomes of ``record``, from its raw outputs file as the ledger vouches:
+    each example's ``correct`` (a classifier), or each document's ``bits`` and ``bytes`` (a
+    language model's held-out likelihood).
 
     Raises :class:`OutcomesError` when the evaluation recorded no digest, the file hashes to
-    anything else, or its examples disagree with the accuracy the ledger recorded.
+    anything else, or its examples disagree with the headline figure the ledger recorded.
     """
-    import mlflow
     import pandas as pd
+
+    evaluation_id = record.evaluation_id
+    data = load_raw_outputs(record, settings)
+    # Parsed from the bytes that were hashed, never re-read from the store.
+    frame = pd.read_parquet(io.BytesIO(data))
+    digest = record.raw_outputs_sha256 or ""
+    if "correct" not in frame.columns and {"bits", "bytes"} <= set(frame.columns):
+        bits = PairedBits.from_frame(frame, evaluation_id=evaluation_id, raw_outputs_sha256=digest)
+        recorded = (record.metrics or {}).get("bits_per_byte")
+        # Summed in another order than the evaluator did: equal to a few ulps, not bit for bit.
+        if recorded is None or not math.isclose(bits.bits_per_byte, float(recorded), rel_tol=1e-9):
+            raise OutcomesError(
+                evaluation_id,
+                f"{len(bits.sample_ids)} documents give bits per byte {bits.bits_per_byte:.6f}, "
+                f"the ledger recorded {recorded}",
+            )
+        return bits
+    outcomes = PairedOutcomes.from_frame(
+        frame, evaluation_id=evaluation_id, raw_outputs_sha256=digest
+    )
+    recorded = (record.metrics or {}).get("accuracy")
+    if recorded is None or abs(outcomes.accuracy - float(recorded)) > 1e-12:
+        raise OutcomesError(
+            evaluation_id,
+            f"{len(outcomes.sample_ids)} examples give accuracy {outcomes.accuracy:.6f}, the "
+            f"ledger recorded {recorded}",
+        )
+    return outcomes
+
+
+def load_raw_outputs(record: EvaluationRecord, settings: TracksSettings) -> bytes:
+    """The bytes of ``record``'s raw outputs file, downloaded privately and checked against the
+    sha256 the ledger recorded for it; :class:`OutcomesError` names what is wrong."""
+    import mlflow
 
     from pipeline import safepath
     from pipeline.digests import sha256_bytes
@@ -113,20 +190,7 @@ def load_outcomes(record: EvaluationRecord, settings: TracksSettings) -> PairedO
             f"{record.raw_outputs_uri} has sha256 {actual}, the ledger recorded "
             f"{record.raw_outputs_sha256}",
         )
-    # Parsed from the bytes that were hashed, never re-read from the store.
-    outcomes = PairedOutcomes.from_frame(
-        pd.read_parquet(io.BytesIO(data)),
-        evaluation_id=evaluation_id,
-        raw_outputs_sha256=actual,
-    )
-    recorded = (record.metrics or {}).get("accuracy")
-    if recorded is None or abs(outcomes.accuracy - float(recorded)) > 1e-12:
-        raise OutcomesError(
-            evaluation_id,
-            f"{len(outcomes.sample_ids)} examples give accuracy {outcomes.accuracy:.6f}, the "
-            f"ledger recorded {recorded}",
-        )
-    return outcomes
+    return data
 
 
 @dataclass(frozen=True)
@@ -141,9 +205,94 @@ class HeadlineSettings:
     confidence: float = 0.95
     resamples: int = 10_000
     seed: int = 20_260_101
+    # A language model's bits per byte falls as it improves: the candidate is then worse by
+    # its excess over the champion, and "significantly worse" is an interval wholly above 0.
+    higher_is_better: bool = True
 
 
-def compare(
+def compare(candidate: Outcomes, champion: Outcomes, settings: HeadlineSettings) -> dict[str, Any]:
+    """The paired comparison of the two evaluations' outcomes: :func:`compare_correct` for a
+    classifier's, :func:`compare_bits` for a language model's; see them."""
+    if isinstance(candidate, PairedBits) and isinstance(champion, PairedBits):
+        return compare_bits(candidate, champion, settings)
+    if isinstance(candidate, PairedOutcomes) and isinstance(champion, PairedOutcomes):
+        return compare_correct(candidate, champion, settings)
+    raise OutcomesError(
+        candidate.evaluation_id,
+        f"its outcomes ({type(candidate).__name__}) and those of evaluation "
+        f"{champion.evaluation_id} ({type(champion).__name__}) are of different kinds",
+    )
+
+
+def compare_bits(
+    candidate: PairedBits, champion: PairedBits, settings: HeadlineSettings
+) -> dict[str, Any]:
+    """Paired bootstrap interval of (candidate - champion) bits per byte, and the verdict.
+
+    The digits comparison's rule with the direction turned: documents are resampled in pairs
+    (the same documents for both models, each weighed by its bytes), and the candidate passes
+    when it is worse than the champion by at most ``margin`` bits per byte and the interval of
+    the difference does not lie wholly above 0 (not significantly worse).
+    Raises :class:`OutcomesError` when the two did not see exactly the same documents.
+    """
+    import numpy as np
+
+    _same_examples(candidate, champion)
+    if not np.array_equal(candidate.bytes, champion.bytes):
+        raise OutcomesError(
+            candidate.evaluation_id,
+            f"its documents' byte counts differ from those of evaluation {champion.evaluation_id}",
+        )
+    n = len(candidate.sample_ids)
+    rng = np.random.default_rng(settings.seed)
+    means = np.empty(settings.resamples)
+    delta = candidate.bits - champion.bits
+    for start in range(0, settings.resamples, 1000):  # a few MB at a time for any n
+        rows = min(1000, settings.resamples - start)
+        index = rng.integers(0, n, size=(rows, n))
+        means[start : start + rows] = delta[index].sum(axis=1) / candidate.bytes[index].sum(axis=1)
+    tail = (1.0 - settings.confidence) / 2
+    low, high = (float(v) for v in np.quantile(means, [tail, 1.0 - tail]))
+    difference = candidate.bits_per_byte - champion.bits_per_byte
+    per_document = candidate.bits / candidate.bytes - champion.bits / champion.bytes
+    within = difference <= settings.margin + 1e-12
+    return {
+        "compared": True,
+        "metric": f"{settings.evaluator}.{settings.metric}",
+        "higher_is_better": False,
+        "candidate_evaluation_id": candidate.evaluation_id,
+        "champion_evaluation_id": champion.evaluation_id,
+        "candidate_raw_outputs_sha256": candidate.raw_outputs_sha256,
+        "champion_raw_outputs_sha256": champion.raw_outputs_sha256,
+        "candidate": candidate.bits_per_byte,
+        "champion": champion.bits_per_byte,
+        "difference": difference,
+        "interval": [low, high],
+        "confidence": settings.confidence,
+        "margin": settings.margin,
+        "n": n,
+        "candidate_better": int((per_document < 0).sum()),
+        "champion_better": int((per_document > 0).sum()),
+        "method": f"{METHOD} over documents, byte-weighted",
+        "seed": settings.seed,
+        "resamples": settings.resamples,
+        "within_margin": bool(within),
+        "significantly_worse": low > 0,
+        "passed": bool(within and low <= 0),
+    }
+
+
+def _same_examples(candidate: Outcomes, champion: Outcomes) -> None:
+    if candidate.sample_ids != champion.sample_ids:
+        only = len(set(candidate.sample_ids) ^ set(champion.sample_ids))
+        raise OutcomesError(
+            candidate.evaluation_id,
+            f"its examples differ from those of evaluation {champion.evaluation_id} "
+            f"({len(candidate.sample_ids)} vs {len(champion.sample_ids)}, {only} in one only)",
+        )
+
+
+def compare_correct(
     candidate: PairedOutcomes, champion: PairedOutcomes, settings: HeadlineSettings
 ) -> dict[str, Any]:
     """Paired bootstrap interval of (candidate - champion) accuracy, and the verdict.
@@ -158,13 +307,7 @@ def compare(
     """
     import numpy as np
 
-    if candidate.sample_ids != champion.sample_ids:
-        only = len(set(candidate.sample_ids) ^ set(champion.sample_ids))
-        raise OutcomesError(
-            candidate.evaluation_id,
-            f"its examples differ from those of evaluation {champion.evaluation_id} "
-            f"({len(candidate.sample_ids)} vs {len(champion.sample_ids)}, {only} in one only)",
-        )
+    _same_examples(candidate, champion)
     n = len(candidate.sample_ids)
     gained = int((candidate.correct & ~champion.correct).sum())
     lost = int((~candidate.correct & champion.correct).sum())
@@ -209,6 +352,8 @@ def headline_sentence(comparison: Mapping[str, Any], against: str) -> str:
         )
     low, high = comparison["interval"]
     margin = comparison["margin"]
+    if not comparison.get("higher_is_better", True):
+        return _bits_sentence(comparison, against)
     if comparison["passed"]:
         verdict = f"not worse by more than the margin {margin:g}, nor significantly worse"
     elif comparison["difference"] < -margin:
@@ -223,4 +368,24 @@ def headline_sentence(comparison: Mapping[str, Any], against: str) -> str:
         f"({comparison['only_candidate_correct']} right only for the candidate, "
         f"{comparison['only_champion_correct']} only for the champion; seed "
         f"{comparison['seed']}, {comparison['resamples']} resamples): {verdict}"
+    )
+
+
+def _bits_sentence(comparison: Mapping[str, Any], against: str) -> str:
+    low, high = comparison["interval"]
+    margin = comparison["margin"]
+    if comparison["passed"]:
+        verdict = f"not worse by more than the margin {margin:g}, nor significantly worse"
+    elif comparison["difference"] > margin:
+        verdict = f"worse (higher) by more than the margin {margin:g}"
+    else:
+        verdict = f"significantly worse (the whole interval lies above 0, lower {low:+.4f})"
+    return (
+        f"{comparison['metric']} {comparison['candidate']:.4f} vs {against}'s "
+        f"{comparison['champion']:.4f} (lower is better): difference "
+        f"{comparison['difference']:+.4f}, {comparison['confidence']:.0%} {comparison['method']} "
+        f"interval [{low:+.4f}, {high:+.4f}] over n={comparison['n']} paired documents "
+        f"({comparison['candidate_better']} better for the candidate, "
+        f"{comparison['champion_better']} for the champion; seed {comparison['seed']}, "
+        f"{comparison['resamples']} resamples): {verdict}"
     )

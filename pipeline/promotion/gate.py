@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pipeline.evaluation.base import NOT_APPLICABLE
 from pipeline.ledger.records import EvaluationRecord
 from pipeline.promotion.comparison import (
     HeadlineSettings,
@@ -42,13 +43,33 @@ class QualityGate:
     max_slice_regression: float = 0.03
     slice_metric: str = "accuracy"
     headline: HeadlineSettings = field(default_factory=HeadlineSettings)
+    # Metrics that must not exceed a ceiling (``<evaluator>.<metric>``: bits per byte, say).
+    max_metrics: Mapping[str, float] = field(default_factory=dict)
+    # False when the slice metric falls as a model improves (bits per byte per topic).
+    slice_higher_is_better: bool = True
+    # Per evaluator, the dotted fields its ``provenance`` must hold (empty: the row's columns
+    # are its provenance, as for the digits evaluators).
+    required_provenance: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    # Per evaluator, the fields that truly do not apply to it, with the reason: only these may
+    # be "not applicable" in its row or provenance; anywhere else that value refuses.
+    not_applicable: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # The evaluator whose overlap with the training snapshot is checked, and the highest
+    # overlap fraction the gate accepts (it enforces its own, whatever a row recorded).
+    contamination_evaluator: str | None = None
+    max_contamination: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "min_metrics": dict(self.min_metrics),
+            "max_metrics": dict(self.max_metrics),
             "max_slice_regression": self.max_slice_regression,
             "slice_metric": self.slice_metric,
+            "slice_higher_is_better": self.slice_higher_is_better,
             "headline": asdict(self.headline),
+            "required_provenance": {k: list(v) for k, v in self.required_provenance.items()},
+            "not_applicable": {k: dict(v) for k, v in self.not_applicable.items()},
+            "contamination_evaluator": self.contamination_evaluator,
+            "max_contamination": self.max_contamination,
         }
 
     def decide(
@@ -102,12 +123,15 @@ class QualityGate:
                 reason += f" at {at} (only at other versions); re-evaluate the checkpoint"
             reasons.append(reason)
         for name, record in sorted(counted.items()):
-            missing = record.missing_provenance()
+            declared = self.not_applicable.get(name, {})
+            missing = [f for f in record.missing_provenance() if f not in declared]
             if missing:
                 reasons.append(
                     f"missing provenance fields {', '.join(missing)} on evaluation "
                     f"{record.evaluation_id} ({name})"
                 )
+        reasons += self.recorded_provenance_problems(counted)
+        contamination = self._check_contamination(counted, required, reasons)
 
         checks = []
         for key, threshold in sorted(self.min_metrics.items()):
@@ -130,6 +154,30 @@ class QualityGate:
                 reasons.append(f"{key} is missing from evaluation {record.evaluation_id}")
             elif not passed:
                 reasons.append(f"{key} {float(value):.4f} < {threshold:g}")
+        for key, ceiling in sorted(self.max_metrics.items()):
+            evaluator_name, _, metric = key.partition(".")
+            record = counted.get(evaluator_name)
+            value = None if record is None else (record.metrics or {}).get(metric)
+            passed = value is not None and float(value) <= ceiling
+            checks.append(
+                {
+                    "metric": key,
+                    "threshold": ceiling,
+                    "value": value,
+                    "passed": passed,
+                    "needs": "<=",
+                }
+            )
+            if record is None:
+                if evaluator_name not in required:
+                    reasons.append(
+                        f"{key} cannot be checked: evaluator {evaluator_name} has no complete "
+                        f"evaluation for checkpoint {sha12}"
+                    )
+            elif value is None:
+                reasons.append(f"{key} is missing from evaluation {record.evaluation_id}")
+            elif not passed:
+                reasons.append(f"{key} {float(value):.4f} > {ceiling:g}")
 
         champion_rows = list(champion_evaluations)
         headline = None
@@ -160,6 +208,7 @@ class QualityGate:
                 None,
             ),
             "thresholds": checks,
+            "contamination": contamination,
             "champion_version": champion_version,
             "champion_evaluations": champion_used,
             "headline_comparison": headline,
@@ -173,6 +222,99 @@ class QualityGate:
             details=details,
             evaluation_ids=[r.evaluation_id for _, r in sorted(counted.items())],
         )
+
+    def recorded_provenance_problems(self, counted: dict[str, EvaluationRecord]) -> list[str]:
+        """Each evaluation's recorded provenance: every field its evaluator requires present,
+        "not applicable" only where the evaluator states it does not apply, one weights digest
+        across the checkpoint's evaluations."""
+        reasons: list[str] = []
+        digests: dict[str, list[str]] = {}
+        for name, record in sorted(counted.items()):
+            fields = self.required_provenance.get(name)
+            if not fields:
+                continue
+            provenance = record.provenance or {}
+            declared = self.not_applicable.get(name, {})
+            absent = [f for f in fields if _dotted(provenance, f) in (_ABSENT, None, "", {})]
+            if absent:
+                reasons.append(
+                    f"evaluation {record.evaluation_id} ({name}) is incomplete: its provenance "
+                    f"lacks {', '.join(absent)}"
+                )
+            columns = {
+                "judge_model": record.judge_model,
+                "rubric_version": record.rubric_version,
+                "decoding_params": record.decoding_params,
+            }
+            claimed = [
+                path
+                for path in (*_not_applicable_leaves(columns), *_not_applicable_leaves(provenance))
+                if not _declared(path, declared)
+            ]
+            if claimed:
+                reasons.append(
+                    f"evaluation {record.evaluation_id} ({name}) records "
+                    f"{', '.join(sorted(set(claimed)))} as {NOT_APPLICABLE}, but {name} states "
+                    f"only {', '.join(sorted(declared)) or 'nothing'} does not apply"
+                )
+            recorded_version = provenance.get("evaluator_version")
+            if recorded_version not in (None, record.evaluator_version):
+                reasons.append(
+                    f"evaluation {record.evaluation_id} ({name}) was recorded at evaluator "
+                    f"version {record.evaluator_version} but its provenance says {recorded_version}"
+                )
+            if isinstance(provenance.get("model_digest"), str):
+                digests.setdefault(provenance["model_digest"], []).append(record.evaluation_id)
+        if len(digests) > 1:
+            shown = "; ".join(f"{d[:23]}: {', '.join(ids)}" for d, ids in sorted(digests.items()))
+            reasons.append(f"the checkpoint's evaluations evaluated different weights ({shown})")
+        return reasons
+
+    def _check_contamination(
+        self,
+        counted: dict[str, EvaluationRecord],
+        required: Sequence[str],
+        reasons: list[str],
+    ) -> dict[str, Any] | None:
+        """Refuse an evaluation set that overlaps the training snapshot above the gate's
+        threshold (or that its own check found contaminated); the figure in the reason."""
+        name = self.contamination_evaluator
+        if name is None:
+            return None
+        record = counted.get(name)
+        if record is None:
+            if name not in required:
+                reasons.append(f"no complete {name} evaluation: contamination was not checked")
+            return None
+        provenance = record.provenance or {}
+        overlap = provenance.get("overlap_fraction", (record.metrics or {}).get("overlap_fraction"))
+        threshold = self.max_contamination
+        if threshold is None:
+            threshold = provenance.get("threshold")
+        if not isinstance(overlap, int | float) or not isinstance(threshold, int | float):
+            reasons.append(
+                f"evaluation {record.evaluation_id} ({name}) records no overlap fraction and "
+                f"threshold: contamination cannot be judged"
+            )
+            return None
+        over = float(overlap) > float(threshold) + 1e-12
+        contaminated = over or bool(provenance.get("contaminated"))
+        summary = provenance.get("summary") or ""
+        if contaminated:
+            reasons.append(
+                f"the evaluation set is contaminated: overlap {float(overlap):.3f} with training "
+                f"snapshot {provenance.get('training_snapshot_id', '(unrecorded)')} against the "
+                f"threshold {float(threshold):g} (evaluation {record.evaluation_id}: {summary})"
+            )
+        return {
+            "evaluation_id": record.evaluation_id,
+            "overlap_fraction": float(overlap),
+            "threshold": float(threshold),
+            "recorded_threshold": provenance.get("threshold"),
+            "training_snapshot_id": provenance.get("training_snapshot_id"),
+            "contaminated": contaminated,
+            "summary": summary,
+        }
 
     def _compare_headline(
         self,
@@ -260,6 +402,8 @@ class QualityGate:
                 if before is None or after is None:
                     continue
                 drop = float(before) - float(after)
+                if not self.slice_higher_is_better:
+                    drop = -drop  # bits per byte that rose
                 regressed = drop > self.max_slice_regression + 1e-12
                 comparisons.append(
                     {
@@ -362,9 +506,43 @@ def _current_versions(evaluator_versions: Mapping[str, str] | None) -> Mapping[s
     if evaluator_versions is not None:
         return evaluator_versions
     # A changed evaluator is a new one (its version digests its code): only its own rows count.
-    from pipeline.evaluation.evaluators import EVALUATORS
+    from pipeline.evaluation.evaluators import evaluator_versions
 
-    return {name: evaluator.version for name, evaluator in EVALUATORS.items()}
+    return evaluator_versions()
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "absent"
+
+
+_ABSENT: Any = _Absent()
+
+
+def _dotted(tree: Any, dotted: str) -> Any:
+    value = tree
+    for key in dotted.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return _ABSENT
+        value = value[key]
+    return value
+
+
+def _not_applicable_leaves(tree: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every value in ``tree`` that says "not applicable"."""
+    if isinstance(tree, dict):
+        found: list[str] = []
+        for key, value in tree.items():
+            if key == "not_applicable":
+                continue  # the evaluator's own statement of what does not apply, with reasons
+            found += _not_applicable_leaves(value, f"{prefix}{key}.")
+        return found
+    return [prefix.rstrip(".")] if tree == NOT_APPLICABLE else []
+
+
+def _declared(path: str, declared: Mapping[str, str]) -> bool:
+    # "decoding_params" declared covers "decoding_params.decision" too.
+    return any(path == name or path.startswith(name + ".") for name in declared)
 
 
 def _newest_current(

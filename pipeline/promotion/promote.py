@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The model family a registered model (and each of its versions) holds.
+FAMILY_TAG = "tracks.model_family"
+
 _SERVING_REQUIREMENTS = ("mlflow", "torch", "safetensors", "numpy", "pandas")
 
 
@@ -71,7 +74,7 @@ def promote(
     attempt_no: int,
     checkpoint_dir: str | Path,
     snapshot_id: str,
-    model_name: str = DEFAULT_MODEL_NAME,
+    model_name: str | None = None,
     gate: QualityGate | None = None,
     dagster_run_id: str | None = None,
     required: Sequence[str] | None = None,
@@ -79,31 +82,41 @@ def promote(
     """Gate the checkpoint and, on a pass, make it the champion; record the decision either way.
 
     A refusal is recorded and returned, not raised: its ``reason`` names what failed.
-    ``gate`` defaults to ``QualityGate()``; ``required`` to the registry's required evaluators.
+    The run's model family (the ledger's) decides the defaults: ``model_name`` its registered
+    model, ``gate`` its gate and ``required`` its required evaluators
+    (``pipeline.promotion.families``). A champion of ``model_name`` of another family refuses.
     """
     from pipeline import ids
     from pipeline.evaluation.evaluators import required_evaluators
     from pipeline.mlflow_setup import mlflow_client
+    from pipeline.promotion.families import gate_for_family, registered_model_name
     from pipeline.serving.loading import open_committed_checkpoint
 
     # Serving refuses a name ids.model_name refuses: promoting under one would crown a
     # champion nobody can load ("a/b" would fail in the registry after the model is logged).
-    ids.model_name(model_name)
+    if model_name is not None:
+        ids.model_name(model_name)
     ids.run_id(run_id)
     ids.snapshot_id(snapshot_id)
+    family = ledger.get_run(run_id).model_family
+    model_name = model_name if model_name is not None else registered_model_name(family)
     checkpoint = open_committed_checkpoint(checkpoint_dir)
     _require_ledger_committed(ledger, checkpoint, run_id)
-    required = list(required) if required is not None else required_evaluators()
+    required = list(required) if required is not None else required_evaluators(family)
     client = mlflow_client(settings)
 
     champion = registered_champion(client, model_name)
     # The SQL registry hands versions back as ints; the ledger and tags hold strings.
     previous = str(champion.version) if champion else None
     champion_sha = _champion_manifest_sha(ledger, model_name, champion)
-    gate = gate or QualityGate()
+    gate = gate or gate_for_family(family)
     candidate_evaluations = ledger.evaluations_for_checkpoint(checkpoint.manifest_sha256)
     champion_row = promotion_for_version(ledger, model_name, previous) if previous else None
+    other_family = _other_family(ledger, client, model_name, champion_row, family)
     reevaluation = None
+    if other_family is not None:
+        # Refused below; nothing of another family's champion is compared or re-evaluated.
+        champion, champion_sha, champion_row, previous = None, None, None, None
     if champion_row is not None and champion_sha != checkpoint.manifest_sha256:
         # Weights identical to the champion's: nothing to gate, nothing to register.
         unchanged = _identical_to_champion(
@@ -140,7 +153,19 @@ def promote(
         outcomes=functools.partial(load_outcomes, settings=settings),
     )
     decision = _with_reevaluation(decision, reevaluation, previous)
-    if champion is not None and champion_sha is None:
+    if other_family is not None:
+        reasons = [
+            f"{model_name} holds {other_family} models and run {run_id} trained a {family} "
+            f"model; each family is promoted to its own registered model "
+            f"({registered_model_name(family)} for {family})"
+        ]
+        decision = dataclasses.replace(
+            decision,
+            passed=False,
+            reasons=reasons,
+            details={**decision.details, "model_family": family, "reasons": reasons},
+        )
+    elif champion is not None and champion_sha is None:
         # Without the champion's evaluations "no slice regression" cannot be shown.
         reasons = [
             *decision.reasons,
@@ -189,7 +214,15 @@ def promote(
         else:
             evaluations = dict(decision.details["evaluations"])
             version = _register(
-                client, settings, model_name, checkpoint, record, evaluations, decision, staged
+                client,
+                settings,
+                model_name,
+                checkpoint,
+                record,
+                evaluations,
+                decision,
+                staged,
+                family,
             )
             now = registered_champion(client, model_name)
             if (str(now.version) if now else None) != previous:
@@ -213,6 +246,34 @@ def promote(
             serving_manifest=vouched,
         )
     )
+
+
+def _other_family(
+    ledger: Ledger,
+    client: MlflowClient,
+    model_name: str,
+    champion_row: PromotionRecord | None,
+    family: str,
+) -> str | None:
+    """The family ``model_name`` holds when it is not ``family`` (its champion's run's, or
+    the registered model's ``tracks.model_family`` tag), else None."""
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.ledger import UnknownRunError
+
+    if champion_row is not None:
+        try:
+            held = ledger.get_run(champion_row.run_id).model_family
+        except UnknownRunError:
+            held = None
+        if held is not None:
+            return held if held != family else None
+    try:
+        tags = client.get_registered_model(model_name).tags
+    except MlflowException:
+        return None  # not registered yet: this promotion registers it for its family
+    held = tags.get(FAMILY_TAG)
+    return held if held not in (None, family) else None
 
 
 def _with_reevaluation(
@@ -377,6 +438,7 @@ def _register(
     evaluations: dict[str, str],
     decision: GateDecision,
     staged: StagedServedFiles,
+    family: str,
 ) -> str:
     """Log the served model into the candidate's training run and register a tagged version
     of that logged model (run id: the training run's).
@@ -397,6 +459,7 @@ def _register(
         "tracks.checkpoint_step": str(checkpoint.step),
         "tracks.checkpoint_manifest_sha256": checkpoint.manifest_sha256,
         "tracks.snapshot_id": record.snapshot_id,
+        FAMILY_TAG: family,
         "tracks.evaluation_ids": ",".join(evaluations.values()),
         **{f"tracks.evaluation.{name}": evaluation for name, evaluation in evaluations.items()},
     }
@@ -410,8 +473,8 @@ def _register(
     tags[TRAINING_RUN_TAG] = training
     # The gate's details in the training run, one folder per promotion.
     client.log_dict(training, decision.details, f"promotions/{record.promotion_id}/gate.json")
-    model_id = _log_served_model(client, settings, training, checkpoint, record, staged)
-    _ensure_registered_model(client, model_name)
+    model_id = _log_served_model(client, settings, training, checkpoint, record, staged, family)
+    _ensure_registered_model(client, model_name, family)
     version = client.create_model_version(
         name=model_name,
         source=f"models:/{model_id}",
@@ -430,6 +493,7 @@ def _log_served_model(
     checkpoint: CommittedCheckpoint,
     record: PromotionRecord,
     staged: StagedServedFiles,
+    family: str,
 ) -> str:
     """The served model as an MLflow model of the training run (``runs:/<run>/model``); its id.
 
@@ -443,7 +507,7 @@ def _log_served_model(
     from mlflow.entities import LoggedModelStatus
     from mlflow.models import Model
 
-    from pipeline.serving import MODEL_CODE_PATH
+    from pipeline.serving import model_code_path
     from pipeline.serving.signature import input_example, model_signature
 
     experiment_id = client.get_run(training).info.experiment_id
@@ -470,7 +534,7 @@ def _log_served_model(
             "tracks.checkpoint_manifest_sha256": checkpoint.manifest_sha256,
             "tracks.snapshot_id": record.snapshot_id,
         },
-        model_type="digits-cnn",
+        model_type=family,
     )
     # Model.log with the model made above: it logs into the training run without making it the
     # process's active run (mlflow.start_run would end it FINISHED on the way out).
@@ -481,22 +545,27 @@ def _log_served_model(
         flavor_name="pyfunc.ModelFromCode",
         model_id=created.model_id,
         run_id=training,
-        python_model=str(MODEL_CODE_PATH),
+        python_model=str(model_code_path(family)),
         artifacts={"weights": str(staged.weights), "trainer_state": str(staged.trainer_state)},
-        signature=model_signature(),
-        input_example=input_example(settings.snapshot_root, record.snapshot_id),
+        signature=model_signature(family),
+        input_example=input_example(settings.snapshot_root, record.snapshot_id, family),
         pip_requirements=_pip_requirements(),
     )
     client.finalize_logged_model(created.model_id, LoggedModelStatus.READY)
     return created.model_id
 
 
-def _ensure_registered_model(client: MlflowClient, model_name: str) -> None:
+def _ensure_registered_model(client: MlflowClient, model_name: str, family: str) -> None:
     from mlflow.exceptions import MlflowException
 
+    what = {"text-lm": "Byte-level text model (prompt -> continuation)"}.get(
+        family, "Digits classifier"
+    )
     try:
         client.create_registered_model(
-            model_name, description="Digits classifier promoted by Tracks; see tag run_id."
+            model_name,
+            tags={FAMILY_TAG: family},
+            description=f"{what} promoted by Tracks; see tag run_id.",
         )
     except MlflowException as exc:
         if exc.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):

@@ -52,6 +52,18 @@ class ServedModel:
     checkpoint_manifest_sha256: str
     model: nn.Module
 
+    @property
+    def family(self) -> str:
+        from pipeline.textlm.model import TextLM
+
+        return "text-lm" if isinstance(self.model, TextLM) else "digits-cnn"
+
+    def continue_text(self, prompts: list[str], *, max_new_tokens: int = 64) -> list[str]:
+        """text-lm: the greedy continuation of each prompt."""
+        if self.family != "text-lm":
+            raise TypeError(f"{self.model_name} serves a {self.family} model, not text")
+        return continue_prompts(self.model, prompts, max_new_tokens=max_new_tokens)
+
     def predict(self, pixels: Any) -> np.ndarray:
         """Digit labels for rows of 64 pixels (values 0..16) or [N, 8, 8] images."""
         import numpy as np
@@ -59,10 +71,27 @@ class ServedModel:
 
         from pipeline.serving.loading import PIXEL_MAX
 
+        if self.family != "digits-cnn":
+            raise TypeError(
+                f"{self.model_name} serves a {self.family} model: continue_text(prompts), "
+                "not pixels"
+            )
+
         array = np.asarray(pixels, dtype=np.float32).reshape(-1, 64)
         images = torch.from_numpy(array / PIXEL_MAX).reshape(-1, 1, 8, 8)
         with torch.inference_mode():
             return self.model(images).argmax(dim=1).numpy().astype(np.int64)
+
+
+def continue_prompts(model: Any, prompts: list[str], *, max_new_tokens: int = 64) -> list[str]:
+    """The greedy continuation of each prompt by a TextLM (as the generation evaluator decodes,
+    on its thread count: the same prompt gives the same bytes)."""
+    from pipeline.textlm.generation import DecodingParams, evaluation_threads, generate
+    from pipeline.textlm.tokenizer import TOKENIZER
+
+    params = DecodingParams(max_new_tokens=max_new_tokens)
+    with evaluation_threads():
+        return [generate(model, TOKENIZER.encode(p), params).text for p in prompts]
 
 
 class ServedFilesChangedError(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ class CommittedCheckpoint:
     run_id: str
     attempt_no: int
     step: int
+    # The model family its verified trainer state names; None when only the files were verified
+    # (open_committed_checkpoint reads no trainer state).
+    family: str | None = None
 
     @classmethod
     def from_info(cls, info: CheckpointInfo) -> CommittedCheckpoint:
@@ -73,7 +77,9 @@ def load_committed_checkpoint(checkpoint_dir: str | Path) -> tuple[CommittedChec
 
     contents = load_checkpoint(checkpoint_dir)
     checkpoint = CommittedCheckpoint.from_info(contents.info)
-    return checkpoint, model_from_state(contents.trainer_state, contents.model, checkpoint.path)
+    family = checkpoint_family(contents.trainer_state, checkpoint.path)
+    model = model_from_state(contents.trainer_state, contents.model, checkpoint.path)
+    return dataclasses.replace(checkpoint, family=family), model
 
 
 def load_model_from_files(weights_path: str | Path, trainer_state_path: str | Path) -> nn.Module:
@@ -85,19 +91,43 @@ def load_model_from_files(weights_path: str | Path, trainer_state_path: str | Pa
     return model_from_state(trainer_state, load_file(str(weights_path)), where)
 
 
+def checkpoint_family(trainer_state: dict[str, Any], where: str | Path) -> str:
+    """The model family a checkpoint's trainer state names (``config.model_family``); a state
+    written before families existed holds a digits model."""
+    from pipeline.data.families import DEFAULT_FAMILY, FAMILIES
+
+    config = trainer_state.get("config") if isinstance(trainer_state, dict) else None
+    if not isinstance(config, dict):
+        raise UnreadableCheckpointError(where, f"has no config in {TRAINER_STATE_FILE}")
+    name = config.get("model_family", DEFAULT_FAMILY)
+    if name not in FAMILIES:
+        raise UnreadableCheckpointError(
+            where,
+            f"names model family {name!r} in {TRAINER_STATE_FILE}; known: {', '.join(FAMILIES)}",
+        )
+    return str(name)
+
+
 def model_from_state(
     trainer_state: dict[str, Any], weights: dict[str, torch.Tensor], where: str | Path
 ) -> nn.Module:
-    """``build_model(trainer_state["config"]["model"])`` with ``weights`` loaded strictly."""
-    from pipeline.trainer.model import build_model
+    """The family's ``build_model(trainer_state["config"]["model"])`` with ``weights`` loaded
+    strictly (the family from ``config.model_family``, see :func:`checkpoint_family`)."""
+    from pipeline.trainer.families import family
 
+    name = checkpoint_family(trainer_state, where)
     try:
         model_config = trainer_state["config"]["model"]
     except (KeyError, TypeError) as exc:
         raise UnreadableCheckpointError(
             where, f"has no config.model in {TRAINER_STATE_FILE}"
         ) from exc
-    model = build_model(model_config)
+    try:
+        model = family(name).build_model(model_config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UnreadableCheckpointError(
+            where, f"config.model in {TRAINER_STATE_FILE} builds no {name} model: {exc}"
+        ) from exc
     model.load_state_dict(weights, strict=True)
     model.eval()
     return model

@@ -422,6 +422,7 @@ class Contamination(TextEvaluator):
         "decoding_params": "nothing is generated: the check reads texts, not model outputs",
         "judge_model": "an overlap count, not a judgement",
         "rubric_version": "an overlap count, not a judgement",
+        "slice_metrics": "one overlap figure over the whole prompt set; dirty items are listed",
     }
 
     def __init__(self, threshold: float = contamination_module.THRESHOLD) -> None:

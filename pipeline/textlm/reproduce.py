@@ -110,13 +110,24 @@ class Reproduction:
 
 def generation_record(result: TextEvaluatorResult) -> dict[str, Any]:
     """What a generation evaluation records for reproduction: provenance and every sample."""
-    samples = result.raw_outputs[list(SAMPLE_FIELDS)].to_dict(orient="records")
+    return {"provenance": result.provenance, "samples": samples_from_frame(result.raw_outputs)}
+
+
+def samples_from_frame(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """The recorded samples of a generation evaluation's raw outputs (the columns reproduction
+    compares, JSON-safe); a column the frame lacks is left out of every sample, so reproduction
+    names it missing."""
+    present = [key for key in SAMPLE_FIELDS if key in frame.columns]
+    samples = frame[present].to_dict(orient="records")
     for sample in samples:
         # JSON-safe and exact: greedy samples have no seed (the table holds it as missing).
-        sample["seed"] = None if pd.isna(sample["seed"]) else int(sample["seed"])
-        sample["sample_index"] = int(sample["sample_index"])
-        sample["score"] = float(sample["score"])
-    return {"provenance": result.provenance, "samples": samples}
+        if "seed" in sample:
+            sample["seed"] = None if pd.isna(sample["seed"]) else int(sample["seed"])
+        if "sample_index" in sample:
+            sample["sample_index"] = int(sample["sample_index"])
+        if "score" in sample:
+            sample["score"] = float(sample["score"])
+    return samples
 
 
 def reproduce_generation(

@@ -2,98 +2,102 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pipeline.trainer.model import IMAGE_SIDE, NUM_CLASSES
+from pipeline.trainer.config import MODEL_SECTIONS, ConfigError
 
+# BadInputError lives with the families that raise it; it is the data's error, named here too.
+from pipeline.trainer.families import BadInputError, family
 
-class BadInputError(Exception):
-    """The snapshot is readable but not what training needs (shape, dtype, labels, size)."""
-
-    def __init__(self, snapshot_dir: str | Path, problem: str) -> None:
-        super().__init__(f"snapshot {snapshot_dir}: {problem}")
-        self.snapshot_dir = str(snapshot_dir)
+__all__ = ["BadInputError", "EpochSampler", "TrainingData", "load_training_data"]
 
 
 @dataclass(frozen=True)
 class TrainingData:
+    """A snapshot's examples: ``inputs`` and ``targets`` per split, examples on dimension 0.
+
+    What an example is belongs to the family (:mod:`pipeline.trainer.families`): an image and
+    its label, or a window of tokens and the next token at each position.
+    """
+
     snapshot_id: str
     manifest_sha256: str
-    train_images: torch.Tensor
-    train_labels: torch.Tensor
-    eval_images: torch.Tensor
-    eval_labels: torch.Tensor
+    train_inputs: torch.Tensor
+    train_targets: torch.Tensor
+    eval_inputs: torch.Tensor
+    eval_targets: torch.Tensor
+    family: str
+
+    @property
+    def num_train_examples(self) -> int:
+        return int(self.train_targets.shape[0])
 
     def to(self, device: torch.device) -> TrainingData:
         if device.type == "cpu":
             return self
         return replace(
             self,
-            train_images=self.train_images.to(device),
-            train_labels=self.train_labels.to(device),
-            eval_images=self.eval_images.to(device),
-            eval_labels=self.eval_labels.to(device),
+            train_inputs=self.train_inputs.to(device),
+            train_targets=self.train_targets.to(device),
+            eval_inputs=self.eval_inputs.to(device),
+            eval_targets=self.eval_targets.to(device),
         )
 
 
-def load_training_data(snapshot_dir: str | Path, *, ledger: Any = None) -> TrainingData:
+def load_training_data(
+    snapshot_dir: str | Path,
+    *,
+    model_family: str,
+    model_section: Mapping[str, Any] | None = None,
+    ledger: Any = None,
+) -> TrainingData:
     """Open the snapshot, require its blocking checks' verdict, verify its bytes, split it.
 
-    Raises the data layer's errors (``BlockedSnapshotError``, ``SnapshotIntegrityError`` …) or
-    :class:`BadInputError`: the trainer never trains on a snapshot the gate did not pass, by
-    whatever path it was started.
+    Raises the data layer's errors (``BlockedSnapshotError``, ``SnapshotIntegrityError`` …),
+    :class:`BadInputError`, or :class:`ConfigError` when the snapshot holds another family's
+    data than ``model_family``: the trainer never trains on a snapshot the gate did not pass,
+    by whatever path it was started. ``model_section``: the config's ``model`` (a text
+    window is ``block_size + 1`` tokens); None: the family's defaults.
     """
-    from pipeline.data.columns import PIXEL_COLUMNS, PIXEL_MAX, PIXEL_MIN
-    from pipeline.data.dataset import split_tensors
     from pipeline.data.gate import ensure_checks_passed
-    from pipeline.data.snapshot import open_snapshot, read_snapshot_frame
+    from pipeline.data.snapshot import open_snapshot
 
+    row = family(model_family)
+    if model_section is None:
+        model_section = asdict(MODEL_SECTIONS[row.name]())
     snapshot = open_snapshot(Path(snapshot_dir))
-    ensure_checks_passed(snapshot, snapshot_root=snapshot.path.parent, ledger=ledger)
-    frame = read_snapshot_frame(snapshot)
-    # Checked again on the bytes actually read: the verdict vouches for the manifest, and the
-    # trainer's own guard costs one pass over 64 columns.
-    pixels = frame[list(PIXEL_COLUMNS)]
-    if (
-        pixels.isna().any().any()
-        or (pixels < PIXEL_MIN).any().any()
-        or (pixels > PIXEL_MAX).any().any()
-    ):
-        raise BadInputError(
-            snapshot_dir, f"pixel values fall outside {PIXEL_MIN}..{PIXEL_MAX} (or are null)"
+    if snapshot.family != row.name:
+        raise ConfigError(
+            "config",
+            "model_family",
+            f"is {row.name}, but snapshot {snapshot.snapshot_id} holds {snapshot.family} data",
         )
-    train_images, train_labels = split_tensors(frame, "train")
-    eval_images, eval_labels = split_tensors(frame, "eval")
-    for split, images, labels in (
-        ("train", train_images, train_labels),
-        ("eval", eval_images, eval_labels),
+    ensure_checks_passed(snapshot, snapshot_root=snapshot.path.parent, ledger=ledger)
+    (train_inputs, train_targets), (eval_inputs, eval_targets) = row.load_examples(
+        snapshot, model_section
+    )
+    for split, inputs, targets in (
+        ("train", train_inputs, train_targets),
+        ("eval", eval_inputs, eval_targets),
     ):
-        expected = (1, IMAGE_SIDE, IMAGE_SIDE)
-        if images.dtype != torch.float32 or tuple(images.shape[1:]) != expected:
+        if inputs.shape[0] != targets.shape[0] or inputs.shape[0] == 0:
             raise BadInputError(
-                snapshot_dir,
-                f"{split} images are {images.dtype} {tuple(images.shape)}, "
-                f"expected float32 [N, {', '.join(map(str, expected))}]",
+                snapshot.path,
+                f"{split} split has {inputs.shape[0]} inputs and {targets.shape[0]} targets",
             )
-        if labels.dtype != torch.int64 or labels.shape != (images.shape[0],):
-            raise BadInputError(
-                snapshot_dir, f"{split} labels are {labels.dtype} {tuple(labels.shape)}"
-            )
-        if labels.numel() and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
-            raise BadInputError(snapshot_dir, f"{split} labels fall outside 0..{NUM_CLASSES - 1}")
-        if not torch.isfinite(images).all():
-            raise BadInputError(snapshot_dir, f"{split} images hold NaN or Inf")
     return TrainingData(
         snapshot_id=snapshot.snapshot_id,
         manifest_sha256=snapshot.manifest_sha256,
-        train_images=train_images,
-        train_labels=train_labels,
-        eval_images=eval_images,
-        eval_labels=eval_labels,
+        train_inputs=train_inputs,
+        train_targets=train_targets,
+        eval_inputs=eval_inputs,
+        eval_targets=eval_targets,
+        family=row.name,
     )
 
 

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pipeline import envvars, redact
 from pipeline.checkpoint import (
@@ -60,7 +59,7 @@ from pipeline.trainer.attempt import (
 )
 from pipeline.trainer.config import ConfigError, TrainConfig
 from pipeline.trainer.data import BadInputError, EpochSampler, TrainingData, load_training_data
-from pipeline.trainer.model import build_model
+from pipeline.trainer.families import family
 from pipeline.trainer.reporting import Reporter, StdoutReporter, make_reporter
 from pipeline.trainer.spikes import HealthEvent, Spike, TrainingHealth, spike_words
 from pipeline.trainer.startup import Beside, StartupClock
@@ -79,7 +78,8 @@ FAULT_OOM_ABOVE_BATCH = envvars.TRACKS_FAULT_OOM_ABOVE_BATCH.name
 # land a signal there: on this rank, or on a peer waiting in the reduction.
 FAULT_SLEEP_BEFORE_AGREEMENT = envvars.TRACKS_FAULT_SLEEP_BEFORE_AGREEMENT.name
 # Test hook: "60,61": the batches numbered 60 and 61 in the data order (steps 60 and 61 of a run
-# that skipped none) reach the model with their pixels scaled by 1000, a loss spike on demand.
+# that skipped none) reach the model corrupted by their family (digits: pixels scaled by 1000;
+# text-lm: targets permuted), a loss spike on demand.
 # By batch, not by step: a rollback that deals past them leaves no corrupted batch behind.
 FAULT_SPIKE_BATCHES = envvars.TRACKS_FAULT_SPIKE_BATCHES.name
 
@@ -379,7 +379,12 @@ class Trainer:
         # it: it checks the checkpoint against the data's digest and restores the data cursor,
         # whose size is the data's.
         loading = Beside(
-            lambda: load_training_data(cfg.snapshot_dir, ledger=self.attempt.ledger).to(device),
+            lambda: load_training_data(
+                cfg.snapshot_dir,
+                model_family=cfg.model_family,
+                model_section=cfg.to_dict()["model"],
+                ledger=self.attempt.ledger,
+            ).to(device),
             name="training-data",
         )
         if world.distributed:
@@ -586,10 +591,10 @@ class Trainer:
 
     def _build(self, data: TrainingData, device: torch.device) -> TrainingState:
         cfg = self.config
-        model = build_model(cfg.to_dict()["model"]).to(device)
+        model = family(cfg.model_family).build_model(cfg.to_dict()["model"]).to(device)
         optimizer, scheduler = build_optimizer(cfg, model)
         try:
-            sampler = EpochSampler(len(data.train_labels), cfg.batch_size, cfg.seed)
+            sampler = EpochSampler(data.num_train_examples, cfg.batch_size, cfg.seed)
         except ValueError as exc:
             raise ConfigError("config", "batch_size", str(exc)) from exc
         return TrainingState(
@@ -598,7 +603,7 @@ class Trainer:
             data_cursor=sampler,
             config=cfg.to_dict(),
             config_sha256=cfg.sha256(),
-            probe_inputs=data.eval_images[: cfg.probe_size],
+            probe_inputs=data.eval_inputs[: cfg.probe_size],
             lr_scheduler=scheduler,
             data_manifest_sha256=data.manifest_sha256,
             snapshot_id=data.snapshot_id,
@@ -812,7 +817,7 @@ class Trainer:
         *,
         wait: bool,
     ) -> None:
-        metrics = {"train_loss": loss, **evaluate(state.model, data.eval_images, data.eval_labels)}
+        metrics = {"train_loss": loss, **evaluate(state.model, data)}
         if wait:
             manager.save(state, metrics=metrics)
         else:
@@ -1043,7 +1048,11 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> tuple[torch.opt
         )
     schedule = cfg.lr_schedule
     scheduler: Any = None
-    if schedule.kind == "cosine":
+    if schedule.warmup_steps:
+        # One LambdaLR for warm-up and schedule together: its state is one step count, like
+        # the schedulers below, so a checkpoint restores it the same way.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_lr_factor, cfg))
+    elif schedule.kind == "cosine":
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
             optimizer, T_max=cfg.max_steps, eta_min=schedule.min_lr
         )
@@ -1052,6 +1061,19 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> tuple[torch.opt
             optimizer, step_size=schedule.step_size, gamma=schedule.gamma
         )
     return optimizer, scheduler
+
+
+def _lr_factor(cfg: TrainConfig, step: int) -> float:
+    """The learning rate's factor after ``step`` updates: linear warm-up times the schedule's
+    closed form (the same values CosineAnnealingLR and StepLR step through)."""
+    schedule = cfg.lr_schedule
+    warm = min(1.0, (step + 1) / schedule.warmup_steps) if schedule.warmup_steps else 1.0
+    if schedule.kind == "cosine":
+        floor = schedule.min_lr / cfg.learning_rate
+        return warm * (floor + (1 - floor) * (1 + math.cos(math.pi * step / cfg.max_steps)) / 2)
+    if schedule.kind == "step":
+        return warm * schedule.gamma ** (step // schedule.step_size)
+    return warm
 
 
 def train_step(
@@ -1085,12 +1107,14 @@ def train_step(
     indices = cursor.next_indices()  # type: ignore[attr-defined]
     if world is not None and world.distributed:
         indices = indices[world.rank :: world.world_size]
-    images, labels = data.train_images[indices], data.train_labels[indices]
-    images = _fault_spike_batch(images, cursor.dealt)  # type: ignore[attr-defined]
+    row = family(data.family)
+    inputs, targets = data.train_inputs[indices], data.train_targets[indices]
+    if _fault_spike_due(cursor.dealt):  # type: ignore[attr-defined]
+        inputs, targets = row.corrupt(inputs, targets)
     _now_in(timer, "compute", _COMPUTE_WORDS[world_.distributed])
     state.optimizer.zero_grad(set_to_none=True)
     try:
-        loss = F.cross_entropy((forward or state.model)(images), labels)
+        loss = row.loss((forward or state.model)(inputs), targets)
         loss.backward()  # under DDP, the gradients' all-reduce runs here
     except RuntimeError as exc:
         if world is not None and world.distributed and _is_collective_failure(exc):
@@ -1208,24 +1232,10 @@ def _agree_to_stop(
     return bool(flags[0].item()), bool(flags[1].item())
 
 
-def evaluate(
-    model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor
-) -> dict[str, float]:
-    """Eval loss and accuracy (eval mode, no grad, no RNG: the trajectory is untouched)."""
-    was_training = model.training
-    model.eval()
-    total_loss, correct = 0.0, 0
-    try:
-        with torch.no_grad():
-            for start in range(0, len(labels), 512):
-                logits = model(images[start : start + 512])
-                batch = labels[start : start + 512]
-                total_loss += F.cross_entropy(logits, batch, reduction="sum").item()
-                correct += int((logits.argmax(dim=1) == batch).sum().item())
-    finally:
-        model.train(was_training)
-    count = max(len(labels), 1)
-    return {"eval_loss": total_loss / count, "eval_accuracy": correct / count}
+def evaluate(model: torch.nn.Module, data: TrainingData) -> dict[str, float]:
+    """The family's held-out metrics, eval_loss first (eval mode, no grad, no RNG: the
+    trajectory is untouched)."""
+    return family(data.family).evaluate(model, data.eval_inputs, data.eval_targets)
 
 
 def classify_exception(exc: BaseException, *, step: int | None) -> Outcome:
@@ -1328,12 +1338,11 @@ def _spike_batches(spec: str) -> frozenset[int]:
         ) from exc
 
 
-def _fault_spike_batch(images: torch.Tensor, batch: int) -> torch.Tensor:
+def _fault_spike_due(batch: int) -> bool:
+    """Whether the drill corrupts batch number ``batch``; the family says how (a new tensor:
+    the snapshot's stay clean for every other step that draws them)."""
     spec = envvars.TRACKS_FAULT_SPIKE_BATCHES.get()
-    if not spec or batch not in _spike_batches(spec):
-        return images
-    # A copy: the snapshot's tensors stay clean for every other step that draws them.
-    return images * 1e3
+    return bool(spec) and batch in _spike_batches(spec)
 
 
 def _fault_sleep_before_agreement(step: int, rank: int) -> None:
