@@ -17,6 +17,10 @@ import requests
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = {"repositoryLocationName": "tracks", "repositoryName": "__repository__"}
+# The daemon takes queued runs off Dagster's run queue every second rather than every 5 s (its
+# default): each run a test launches, and each the resume sensor launches, waited 2.5 s on
+# average in the queue before it started, up to 5. Nothing a test proves depends on the wait.
+FAST_RUN_QUEUE = "run_queue:\n  dequeue_interval_seconds: 1\n"
 
 
 def free_port() -> int:
@@ -77,7 +81,7 @@ class DagsterDev:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(1.0)
+            time.sleep(0.25)  # a refused connection costs nothing; a late look costs the wait
         raise TimeoutError(f"dagster dev did not load in {timeout}s:\n{self.log_tail()}")
 
     def graphql(self, query: str, variables: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -104,7 +108,7 @@ class DagsterDev:
             status = self.run_status(run_id)
             if status in ("SUCCESS", "FAILURE", "CANCELED"):
                 return status
-            time.sleep(2.0)
+            time.sleep(0.5)
         raise TimeoutError(f"run {run_id} still {status} after {timeout}s:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 6000) -> str:
@@ -135,7 +139,7 @@ def live_drill(home: Path, env: Mapping[str, str]) -> Iterator[tuple[DagsterDev,
 
     (home / "dagster").mkdir(parents=True)
     (home / "dagster" / "dagster.yaml").write_text(
-        "telemetry:\n  enabled: false\nrun_retries:\n  enabled: false\n"
+        "telemetry:\n  enabled: false\nrun_retries:\n  enabled: false\n" + FAST_RUN_QUEUE
     )
     write_digits_landing(home / "landing")
     server = DagsterDev(

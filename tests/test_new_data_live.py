@@ -17,7 +17,7 @@ import pytest
 from pipeline.data.landing import Drift, write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
 from pipeline.ledger import Ledger
-from tests.dagster_dev import DagsterDev, wait_for
+from tests.dagster_dev import FAST_RUN_QUEUE, DagsterDev, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,9 @@ query($key: AssetKeyInput!, $name: String!) {
 
 @pytest.fixture
 def live(tracks_home: Path) -> Iterator[DagsterDev]:
-    (tracks_home / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    (tracks_home / "dagster" / "dagster.yaml").write_text(
+        "telemetry:\n  enabled: false\n" + FAST_RUN_QUEUE
+    )
     env = {
         "TRACKS_HOME": str(tracks_home),
         "DAGSTER_HOME": str(tracks_home / "dagster"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,33 @@ def test_a_trainer_that_stops_before_its_first_step_has_no_total(
     split = finished[-1]["timings"]["startup"]
     assert "restore" in split and "data" in split
     assert "first_step" not in split and "total" not in split
+
+
+# What a whole trainer run may load, not only its modules at import: reading the snapshot's
+# parquet files needs pandas and pyarrow, nothing else here. A trainer that ran the data checks
+# again, or opened a tracker it was not given, pays their import at every launch (seen
+# 2026-11-27: great_expectations, 7.9 s of a digits trainer's start-up under load), and the
+# drills launch hundreds of trainers.
+NEVER_AT_RUNTIME = tuple(sorted({*HEAVY, "scipy"} - {"pandas", "pyarrow"}))
+
+
+def test_a_trainer_run_loads_no_library_its_steps_do_not_use(
+    snapshot_dir: Path, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path / "config", snapshot_dir, max_steps=2)
+    probe = (
+        "import atexit, json, runpy, sys\n"
+        "atexit.register(lambda: print('LOADED ' + json.dumps(sorted("
+        f"{{m.split('.')[0] for m in sys.modules}} & set({NEVER_AT_RUNTIME!r})))))\n"
+        "sys.argv = ['pipeline.trainer', *sys.argv[1:]]\n"
+        "runpy.run_module('pipeline.trainer', run_name='__main__', alter_sys=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRACKS_", "DAGSTER_"))}
+    done = subprocess.run(
+        [sys.executable, "-c", probe, "--config", str(config), "--run-id", "r1",
+         "--store", str(tmp_path / "store")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    [loaded] = [line for line in done.stdout.splitlines() if line.startswith("LOADED ")]
+    assert json.loads(loaded.removeprefix("LOADED ")) == [], done.stdout[-3000:]

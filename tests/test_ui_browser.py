@@ -30,7 +30,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from pipeline.data.landing import Drift, write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
-from tests.dagster_dev import DagsterDev, launch_graph
+from tests.dagster_dev import FAST_RUN_QUEUE, DagsterDev, launch_graph
 from tests.mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.slow
@@ -333,7 +333,7 @@ def test_the_ui_path_in_a_real_browser(browser_page, tracks_home: Path, tmp_path
     good = snapshot_id_for(tracks_home / "landing")
     # nux off: Dagster's "Join the community" prompt would cover the page at a random moment.
     (tracks_home / "dagster" / "dagster.yaml").write_text(
-        "telemetry:\n  enabled: false\nnux:\n  enabled: false\n"
+        "telemetry:\n  enabled: false\nnux:\n  enabled: false\n" + FAST_RUN_QUEUE
     )
     with contextlib.ExitStack() as stack:
         # MLflow's server first: it creates and migrates the store the run will write to.

@@ -11,7 +11,14 @@ import pytest
 from pipeline.data.landing import write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
 from pipeline.ledger import Ledger
-from tests.dagster_dev import ADD_PARTITION, LAUNCH_RUN, REPO_ROOT, REPOSITORY, DagsterDev
+from tests.dagster_dev import (
+    ADD_PARTITION,
+    FAST_RUN_QUEUE,
+    LAUNCH_RUN,
+    REPO_ROOT,
+    REPOSITORY,
+    DagsterDev,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +76,9 @@ TORCHRUN = {"resources": {"trainer": {"config": {"backend": "torchrun", "nproc_p
 def test_materialize_button_runs_the_whole_graph_in_dagster_dev(tracks_home: Path) -> None:
     write_digits_landing(tracks_home / "landing")
     snapshot = snapshot_id_for(tracks_home / "landing")
-    (tracks_home / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    (tracks_home / "dagster" / "dagster.yaml").write_text(
+        "telemetry:\n  enabled: false\n" + FAST_RUN_QUEUE
+    )
     server = DagsterDev(
         env={
             "TRACKS_HOME": str(tracks_home),
