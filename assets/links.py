@@ -37,6 +37,9 @@ def _run_link(mlflow: MlflowResource, experiment_id: str, mlflow_run_id: str) ->
 def _client(mlflow: MlflowResource) -> Any:
     from mlflow import MlflowClient
 
+    from pipeline.mlflow_setup import store_ready
+
+    store_ready(mlflow.tracking_uri)
     return MlflowClient(tracking_uri=mlflow.tracking_uri, registry_uri=mlflow.tracking_uri)
 
 

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -68,9 +69,63 @@ def mlflow_client(settings: TracksSettings) -> MlflowClient:
     from mlflow import MlflowClient
 
     configure_mlflow(settings)
+    store_ready(settings.mlflow_tracking_uri)
     return MlflowClient(
         tracking_uri=settings.mlflow_tracking_uri, registry_uri=settings.mlflow_tracking_uri
     )
+
+
+_ready: set[str] = set()
+
+
+def store_ready(tracking_uri: str) -> None:
+    """Make sure MLflow's SQLite store exists with its whole schema before this process uses it.
+
+    MLflow creates a SQLite store's tables the first time a process opens it, one statement at a
+    time and in no lock of its own. Two processes opening a new ``mlflow.db`` together (a Dagster
+    step and the trainer's tracker thread) fail with "table ... already exists", and a trainer
+    killed while it creates them (the preemption drill's SIGKILL, 2026-11-27) leaves a store
+    that every later process fails to open. So a missing store is created whole, under an
+    exclusive ``flock`` on ``<db>.lock``, in a staging file renamed into place: a reader finds
+    no store or a complete one. Once per process per store. PostgreSQL stores are left to
+    MLflow (its migrations there run in transactions).
+    """
+    if tracking_uri in _ready or not tracking_uri.startswith("sqlite:"):
+        return
+    import fcntl
+
+    from sqlalchemy.engine import make_url
+
+    database = make_url(tracking_uri).database
+    if not database or database == ":memory:":
+        return
+    with _lock:
+        if tracking_uri in _ready:
+            return
+        path = Path(database)
+        with open(f"{database}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if not path.exists():
+                    _create_store(path)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        _ready.add(tracking_uri)
+
+
+def _create_store(path: Path) -> None:
+    from mlflow import MlflowClient
+
+    from pipeline.durable import fsync_dir
+
+    staging = path.with_name(f".{path.name}.creating-{os.getpid()}")
+    staging.unlink(missing_ok=True)
+    uri = f"sqlite:///{staging}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client.search_experiments(max_results=1)  # the tracking store creates its tables
+    client.search_registered_models(max_results=1)  # and the registry its own
+    os.replace(staging, path)
+    fsync_dir(path.parent)
 
 
 def get_or_create_experiment(client: MlflowClient, settings: TracksSettings, name: str) -> str:

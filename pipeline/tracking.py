@@ -381,8 +381,9 @@ class TrainingTracker:
     def _setup(self) -> None:
         from mlflow import MlflowClient
 
-        from pipeline.mlflow_setup import dagster_run_url, ensure_experiment
+        from pipeline.mlflow_setup import dagster_run_url, ensure_experiment, store_ready
 
+        store_ready(self._tracking_uri)
         self._client = client = MlflowClient(tracking_uri=self._tracking_uri)
         root = self._artifact_root
         experiment_id = ensure_experiment(
@@ -649,6 +650,9 @@ def mirror_attempt(
         detail = (attempt.termination_detail or "")[:_MAX_TAG_CHARS]
         from mlflow import MlflowClient
 
+        from pipeline.mlflow_setup import store_ready
+
+        store_ready(tracking_uri)
         client = MlflowClient(tracking_uri=tracking_uri)
         mlflow_run = _training_run(client, run_id)
         if mlflow_run is None:

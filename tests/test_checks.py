@@ -26,6 +26,8 @@ from tests.trainer_support import small_checkpoint
 SHA = "5a" * 32
 OTHER_SHA = "0b" * 32
 RUN = "digits-cnn-canary-1"
+# provenance_complete reads the family from the partition: a digits snapshot id.
+PARTITION = "digits-0123456789abcdef"
 
 
 def test_loss_falls_passes_on_a_real_fall_and_warns_otherwise() -> None:
@@ -86,7 +88,7 @@ def test_provenance_complete_passes_when_every_required_evaluator_has_a_full_row
     ledger.record_evaluation(_evaluation("ev-n", "noise_robustness"))
 
     result = judge_provenance_complete(
-        _evaluated("ev-h", "ev-n"), {"manifest_sha256": SHA}, ledger, "p"
+        _evaluated("ev-h", "ev-n"), {"manifest_sha256": SHA}, ledger, PARTITION
     )
     assert result.passed, result.description
     assert result.check_name == PROVENANCE_COMPLETE
@@ -103,7 +105,7 @@ def test_provenance_complete_fails_naming_missing_fields_and_foreign_evaluations
     ledger.record_evaluation(_evaluation("ev-x", "holdout_accuracy", sha=OTHER_SHA))
 
     result = judge_provenance_complete(
-        _evaluated("ev-h", "ev-n", "ev-x"), {"manifest_sha256": SHA}, ledger, "p"
+        _evaluated("ev-h", "ev-n", "ev-x"), {"manifest_sha256": SHA}, ledger, PARTITION
     )
     assert not result.passed
     assert result.severity == dg.AssetCheckSeverity.ERROR
@@ -119,7 +121,7 @@ def test_provenance_complete_fails_when_a_required_evaluator_or_the_checkpoint_d
     ledger.record_evaluation(_evaluation("ev-h", "holdout_accuracy"))
 
     result = judge_provenance_complete(
-        _evaluated("ev-h"), {"manifest_sha256": OTHER_SHA}, ledger, "p"
+        _evaluated("ev-h"), {"manifest_sha256": OTHER_SHA}, ledger, PARTITION
     )
     assert not result.passed
     assert "required evaluator noise_robustness has no evaluation" in result.description

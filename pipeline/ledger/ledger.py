@@ -7,12 +7,13 @@ because the database blinked.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -216,12 +217,24 @@ class Ledger:
             return None
 
     def upgrade(self, revision: str = "head") -> None:
+        """Migrate to ``revision``, one process at a time.
+
+        Processes that start together on a new ledger (a Dagster run worker, the daemon's
+        sensor and a trainer on a fresh home) would each find it empty and each create its
+        tables: the second fails with "table ... already exists" (seen 2026-11-27). So the
+        migration holds a lock, a transaction-scoped advisory lock on PostgreSQL and an
+        exclusive ``flock`` on ``<file>.lock`` beside a SQLite file, and Alembic reads the
+        revision inside it: whoever comes second finds the head and does nothing.
+        """
         from alembic import command
         from alembic.config import Config
 
         cfg = Config()
         cfg.set_main_option("script_location", str(_MIGRATIONS))
-        with self.engine.begin() as conn:
+        with _file_lock(self.engine), self.engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                lock = sa.text("SELECT pg_advisory_xact_lock(:key)")
+                conn.execute(lock, {"key": _MIGRATION_LOCK})
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
 
@@ -1153,3 +1166,24 @@ def cost_by_reason_query(model_family: str, since: datetime) -> sa.Select[Any]:
 def _record_values(record: Any, table: sa.Table) -> dict[str, Any]:
     names: Sequence[str] = [c.name for c in table.columns]
     return {name: getattr(record, name) for name in names if hasattr(record, name)}
+
+
+# pg_advisory_xact_lock's key for ledger migrations: any fixed 64-bit number Tracks owns.
+_MIGRATION_LOCK = 0x7472_6163_6B73  # "tracks"
+
+
+@contextlib.contextmanager
+def _file_lock(engine: sa.Engine) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<database>.lock`` for a SQLite file; nothing otherwise."""
+    database = engine.url.database if engine.dialect.name == "sqlite" else None
+    if not database or database == ":memory:":
+        yield
+        return
+    import fcntl
+
+    with open(f"{database}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
