@@ -5,8 +5,10 @@ Shared by the checkpoint protocol, snapshots, landing files and verdict records.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -60,3 +62,18 @@ def make_dir_durably(path: Path) -> None:
         except FileExistsError:
             continue
         fsync_dir(directory.parent)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing) for the block: one process
+    at a time, across processes on this machine; released when the block ends or the process
+    dies."""
+    import fcntl
+
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -92,9 +92,9 @@ def store_ready(tracking_uri: str) -> None:
     """
     if tracking_uri in _ready or not tracking_uri.startswith("sqlite:"):
         return
-    import fcntl
-
     from sqlalchemy.engine import make_url
+
+    from pipeline.durable import exclusive_lock
 
     database = make_url(tracking_uri).database
     if not database or database == ":memory:":
@@ -103,13 +103,9 @@ def store_ready(tracking_uri: str) -> None:
         if tracking_uri in _ready:
             return
         path = Path(database)
-        with open(f"{database}.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if not path.exists():
-                    _create_store(path)
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        with exclusive_lock(Path(f"{database}.lock")):
+            if not path.exists():
+                _create_store(path)
         _ready.add(tracking_uri)
 
 

@@ -297,3 +297,12 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.2) -
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def check_evaluations(result: Any) -> dict[str, Any]:
+    """An in-process run's asset check evaluations, by check name."""
+    return {
+        e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data
+        for e in result.all_events
+        if e.event_type_value == "ASSET_CHECK_EVALUATION"
+    }

@@ -13,6 +13,7 @@ from pipeline.data.snapshot import snapshot_id_for
 from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings
 from sensors import materialize_snapshot
+from tests.dagster_dev import check_evaluations
 
 pytestmark = pytest.mark.slow
 
@@ -35,11 +36,7 @@ def test_bad_snapshot_stops_at_blocking_check_before_training(
         result = materialize_snapshot(build_definitions(settings), instance, snapshot)
     assert not result.success
 
-    evaluations = {
-        e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data
-        for e in result.all_events
-        if e.event_type_value == "ASSET_CHECK_EVALUATION"
-    }
+    evaluations = check_evaluations(result)
     failed = evaluations[failed_check]
     assert not failed.passed
     summary = failed.metadata["summary"].value

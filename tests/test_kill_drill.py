@@ -25,6 +25,7 @@ from bench.kill_drill import Drill, ForkServer, Reference, run_reference
 from pipeline.checkpoint import verify_checkpoint
 from pipeline.trainer import exit_codes
 from tests.distributed_support import drill_config
+from tests.trainer_support import sigkill_then_resume_is_bit_exact
 
 MAX_STEPS = 60
 INTERVAL = 2
@@ -76,15 +77,10 @@ def _drill(server: ForkServer, config: Path, reference: Reference, store: Path, 
 def test_sigkill_then_resume_in_a_new_process_is_bit_exact(
     server: ForkServer, config: Path, reference: Reference, tmp_path: Path, moment: str, seed: int
 ) -> None:
-    drill = _drill(server, config, reference, tmp_path / "store", seed, modes={moment: 1.0})
-    finished = drill.kill_once("case")
-    assert not finished and drill.stats.kills == 1, "the process ended before its SIGKILL"
-    assert drill.finish("case") == exit_codes.SUCCEEDED
-    stats = drill.stats
-    assert stats.runs_finished == 1 and stats.processes == 2
-    assert stats.clean, stats.problems
-    if moment in ("mid_file", "before_commit"):
-        assert stats.landed == {"checkpoint write": 1}
+    sigkill_then_resume_is_bit_exact(
+        server, config, reference, tmp_path / "store", moment=moment, seed=seed,
+        interval=INTERVAL, keep_last_k=KEEP_LAST_K,
+    )  # fmt: skip
 
 
 def test_many_sigkills_across_one_run_lose_nothing_and_every_resume_is_bit_exact(

@@ -20,7 +20,7 @@ from pipeline.data.snapshot import snapshot_id_for
 from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings
 from sensors import materialize_snapshot
-from tests.dagster_dev import REPO_ROOT
+from tests.dagster_dev import REPO_ROOT, check_evaluations
 
 pytestmark = pytest.mark.slow
 
@@ -58,11 +58,7 @@ def test_whole_path_promotes_a_champion_whose_tags_lead_back(deployment: str) ->
         assert result.success, [
             e.step_failure_data.error.message for e in result.all_events if e.is_step_failure
         ]
-        checks = {
-            e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data.passed
-            for e in result.all_events
-            if e.event_type_value == "ASSET_CHECK_EVALUATION"
-        }
+        checks = {name: e.passed for name, e in check_evaluations(result).items()}
         assert checks["schema_contract"] and checks["data_quality"]
         # Pictures and tables, not JSON: what a person sees on each materialization in the UI.
         shown = {

@@ -22,6 +22,7 @@ from pipeline.settings import TracksSettings
 from pipeline.textlm.landing import write_text_landing
 from pipeline.trainer.config import named_config
 from sensors import materialize_snapshot
+from tests.dagster_dev import check_evaluations
 
 pytestmark = pytest.mark.slow
 
@@ -45,11 +46,7 @@ def test_a_text_partition_trains_evaluates_and_crowns_the_text_lm_champion(
         assert result.success, [
             e.step_failure_data.error.message for e in result.all_events if e.is_step_failure
         ]
-        checks = {
-            e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data.passed
-            for e in result.all_events
-            if e.event_type_value == "ASSET_CHECK_EVALUATION"
-        }
+        checks = {name: e.passed for name, e in check_evaluations(result).items()}
         assert all(checks.values()), checks
         assert {"schema_contract", "data_quality", "provenance_complete"} <= checks.keys()
         [promoted] = result.asset_materializations_for_node("promoted_model")

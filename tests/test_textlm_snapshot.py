@@ -42,6 +42,7 @@ from pipeline.textlm.landing import TextDrift, write_text_landing
 from pipeline.trainer.config import TrainConfig, named_config
 from sensors import materialize_snapshot
 from sensors.snapshots import new_snapshot
+from tests.dagster_dev import check_evaluations
 
 
 def test_text_landing_becomes_a_text_snapshot_whose_checks_pass(tmp_path: Path) -> None:
@@ -188,11 +189,7 @@ def test_a_text_defect_stops_the_graph_at_the_contract(
         result = materialize_snapshot(build_definitions(settings), instance, snapshot)
     assert not result.success
 
-    evaluations = {
-        e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data
-        for e in result.all_events
-        if e.event_type_value == "ASSET_CHECK_EVALUATION"
-    }
+    evaluations = check_evaluations(result)
     contract = evaluations["schema_contract"]
     assert not contract.passed
     assert contract.severity == dg.AssetCheckSeverity.ERROR

@@ -20,14 +20,14 @@ import pytest
 import torch
 import yaml
 
-from bench.kill_drill import Drill, ForkServer, Reference, run_reference
+from bench.kill_drill import ForkServer, Reference, run_reference
 from pipeline.checkpoint import checkpoint_dirs, load_checkpoint, verify_checkpoint
 from pipeline.checkpoint.restore_check import restore_check
 from pipeline.trainer import exit_codes
 from pipeline.trainer.config import ConfigError, TrainConfig
 from pipeline.trainer.families import UnknownFamilyError, family
 from tests.distributed_support import drill_config, launch_ranks, trainer_rank_pids
-from tests.trainer_support import TEXT_CONFIG, parse_events
+from tests.trainer_support import TEXT_CONFIG, parse_events, sigkill_then_resume_is_bit_exact
 
 MAX_STEPS = 30
 INTERVAL = 2
@@ -220,27 +220,14 @@ def test_the_spike_fault_permutes_text_targets_and_the_loss_jumps(snapshot_dir: 
 # -- SIGKILL at random moments, then resume: bit-exact ----------------------------------------
 
 
-def _drill(server: ForkServer, config: Path, reference: Reference, store: Path, seed: int,
-           modes: dict[str, float] | None = None) -> Drill:  # fmt: skip
-    return Drill(
-        server, config, store, reference, seed=seed, interval=INTERVAL,
-        keep_last_k=KEEP_LAST_K, modes=modes,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize(("moment", "seed"), KILL_CASES, ids=[f"{m}-{s}" for m, s in KILL_CASES])
 def test_text_lm_sigkill_then_resume_in_a_new_process_is_bit_exact(
     server: ForkServer, config: Path, reference: Reference, tmp_path: Path, moment: str, seed: int
 ) -> None:
-    drill = _drill(server, config, reference, tmp_path / "store", seed, modes={moment: 1.0})
-    finished = drill.kill_once("case")
-    assert not finished and drill.stats.kills == 1, "the process ended before its SIGKILL"
-    assert drill.finish("case") == exit_codes.SUCCEEDED
-    stats = drill.stats
-    assert stats.runs_finished == 1 and stats.processes == 2
-    assert stats.clean, stats.problems
-    if moment in ("mid_file", "before_commit"):
-        assert stats.landed == {"checkpoint write": 1}
+    sigkill_then_resume_is_bit_exact(
+        server, config, reference, tmp_path / "store", moment=moment, seed=seed,
+        interval=INTERVAL, keep_last_k=KEEP_LAST_K,
+    )  # fmt: skip
 
 
 def test_text_lm_checkpoint_restores_in_a_new_rebuild_and_matches_its_probe(

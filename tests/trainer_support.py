@@ -196,3 +196,27 @@ def text_snapshot(root: Path, *, train_documents: int = 24, eval_documents: int 
     snapshot = create_snapshot(root / "landing", root / "snapshots", family="text-lm")
     ensure_checks_passed(snapshot, snapshot_root=snapshot.path.parent)
     return snapshot.path
+
+
+def sigkill_then_resume_is_bit_exact(
+    server: Any, config: Path, reference: Any, store: Path, *, moment: str, seed: int,
+    interval: int, keep_last_k: int,
+) -> None:  # fmt: skip
+    """One kill-drill case (bench/kill_drill.py) for any family's config: one SIGKILL at
+    ``moment``, then a new process finishes the run; every resume and the final weights are
+    bit-exact against ``reference`` and no checkpoint is left half-written."""
+    from bench.kill_drill import Drill
+    from pipeline.trainer import exit_codes
+
+    drill = Drill(
+        server, config, store, reference, seed=seed, interval=interval,
+        keep_last_k=keep_last_k, modes={moment: 1.0},
+    )  # fmt: skip
+    finished = drill.kill_once("case")
+    assert not finished and drill.stats.kills == 1, "the process ended before its SIGKILL"
+    assert drill.finish("case") == exit_codes.SUCCEEDED
+    stats = drill.stats
+    assert stats.runs_finished == 1 and stats.processes == 2
+    assert stats.clean, stats.problems
+    if moment in ("mid_file", "before_commit"):
+        assert stats.landed == {"checkpoint write": 1}

@@ -1179,11 +1179,7 @@ def _file_lock(engine: sa.Engine) -> Iterator[None]:
     if not database or database == ":memory:":
         yield
         return
-    import fcntl
+    from pipeline.durable import exclusive_lock
 
-    with open(f"{database}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with exclusive_lock(Path(f"{database}.lock")):
+        yield
