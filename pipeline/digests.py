@@ -66,6 +66,17 @@ def sha256_file(path: str | Path) -> str:
     return file_digest(path, DigestAlgorithm.SHA256)
 
 
+def short_digest(value: Any) -> str:
+    """A recorded digest as people read it: ``sha256:`` and its first 16 hex digits (enough to
+    tell two apart, and to find the full one); "—" for none."""
+    text = str(value or "—")
+    return text[:SHORT_DIGEST_CHARS]
+
+
+# "sha256:" and 16 hex digits.
+SHORT_DIGEST_CHARS = 23
+
+
 def canonical_json(value: Any) -> bytes:
     """JSON with sorted keys and no whitespace: equal values give equal bytes."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode()

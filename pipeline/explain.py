@@ -17,6 +17,7 @@ from itertools import pairwise
 from typing import Any
 
 from pipeline import ids, redact
+from pipeline.digests import short_digest
 from pipeline.launch_facts import (
     contradicted_tags,
     fault_hooks_words,
@@ -816,11 +817,6 @@ def _evaluations(evaluations: Sequence[EvaluationRecord], attempts_ok: bool) -> 
     return [*out, ""]
 
 
-def _digest(value: Any) -> str:
-    text = str(value or "—")
-    return text if len(text) <= 23 else text[:23]
-
-
 def _decoding(params: Mapping[str, Any]) -> str:
     parts = [f"{k}={params[k]}" for k in ("temperature", "top_k", "top_p") if k in params]
     parts.append(f"max_new_tokens={params.get('max_new_tokens')}")
@@ -835,21 +831,21 @@ def _provenance_lines(e: EvaluationRecord) -> list[str]:
     p = e.provenance or {}
     fields = [
         f"code `{e.evaluator_version}`",
-        f"weights `{_digest(p.get('model_digest'))}`",
+        f"weights `{short_digest(p.get('model_digest'))}`",
         f"snapshot `{p.get('snapshot_id', '—')}`",
     ]
     if isinstance(p.get("tokenizer"), Mapping):
         tok = p["tokenizer"]
-        fields.append(f"tokenizer {tok.get('name')} `{_digest(tok.get('digest'))}`")
+        fields.append(f"tokenizer {tok.get('name')} `{short_digest(tok.get('digest'))}`")
     prompts = p.get("prompt_set")
     if isinstance(prompts, Mapping):
         fields.append(
             f"prompt set {prompts.get('version')} ({prompts.get('items')} items) "
-            f"`{_digest(prompts.get('digest'))}`"
+            f"`{short_digest(prompts.get('digest'))}`"
         )
     template = p.get("template")
     if isinstance(template, Mapping):
-        fields.append(f"template {template.get('name')} `{_digest(template.get('digest'))}`")
+        fields.append(f"template {template.get('name')} `{short_digest(template.get('digest'))}`")
     decoding = p.get("decoding_params")
     if isinstance(decoding, Mapping) and isinstance(decoding.get("greedy"), Mapping):
         fields.append(f"greedy decoding ({_decoding(decoding['greedy'])})")
@@ -862,7 +858,7 @@ def _provenance_lines(e: EvaluationRecord) -> list[str]:
     judge = p.get("judge")
     if isinstance(judge, Mapping):
         fields.append(
-            f"judge {judge.get('version')} `{_digest(judge.get('digest'))}`, rubric "
+            f"judge {judge.get('version')} `{short_digest(judge.get('digest'))}`, rubric "
             f"`{judge.get('rubric_version')}`"
         )
     if "overlap_fraction" in p:

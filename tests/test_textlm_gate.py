@@ -264,7 +264,7 @@ def test_text_lm_is_compared_with_its_own_champion(
 
     # Served: the champion, verified against its promotion, continues a prompt as generated.
     served = load_champion(setup.world.settings, setup.ledger, "text-lm")
-    assert served.version == second.model_version
+    assert (served.version, served.family) == (second.model_version, "text-lm")
     prompt = "The if statement is used for "
     [continuation] = served.continue_text([prompt], max_new_tokens=16)
     model = build_model(dict(TEXT_MODEL_CONFIG))

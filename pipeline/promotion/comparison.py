@@ -256,30 +256,22 @@ def compare_bits(
     difference = candidate.bits_per_byte - champion.bits_per_byte
     per_document = candidate.bits / candidate.bytes - champion.bits / champion.bytes
     within = difference <= settings.margin + 1e-12
-    return {
-        "compared": True,
-        "metric": f"{settings.evaluator}.{settings.metric}",
-        "higher_is_better": False,
-        "candidate_evaluation_id": candidate.evaluation_id,
-        "champion_evaluation_id": champion.evaluation_id,
-        "candidate_raw_outputs_sha256": candidate.raw_outputs_sha256,
-        "champion_raw_outputs_sha256": champion.raw_outputs_sha256,
-        "candidate": candidate.bits_per_byte,
-        "champion": champion.bits_per_byte,
-        "difference": difference,
-        "interval": [low, high],
-        "confidence": settings.confidence,
-        "margin": settings.margin,
-        "n": n,
-        "candidate_better": int((per_document < 0).sum()),
-        "champion_better": int((per_document > 0).sum()),
-        "method": f"{METHOD} over documents, byte-weighted",
-        "seed": settings.seed,
-        "resamples": settings.resamples,
-        "within_margin": bool(within),
-        "significantly_worse": low > 0,
-        "passed": bool(within and low <= 0),
-    }
+    return _recorded(
+        candidate,
+        champion,
+        settings,
+        values=(candidate.bits_per_byte, champion.bits_per_byte),
+        difference=difference,
+        interval=(low, high),
+        counts={
+            "candidate_better": int((per_document < 0).sum()),
+            "champion_better": int((per_document > 0).sum()),
+        },
+        method=f"{METHOD} over documents, byte-weighted",
+        within=within,
+        worse=low > 0,
+        higher_is_better=False,  # bits per byte: lower is better, whatever the settings say
+    )
 
 
 def _same_examples(candidate: Outcomes, champion: Outcomes) -> None:
@@ -318,28 +310,59 @@ def compare_correct(
     means = (draws[:, 0] - draws[:, 1]) / n
     tail = (1.0 - settings.confidence) / 2
     low, high = (float(v) for v in np.quantile(means, [tail, 1.0 - tail]))
+    return _recorded(
+        candidate,
+        champion,
+        settings,
+        values=(candidate.accuracy, champion.accuracy),
+        difference=(gained - lost) / n,
+        interval=(low, high),
+        counts={"only_candidate_correct": gained, "only_champion_correct": lost},
+        method=METHOD,
+        within=(gained - lost) / n >= -settings.margin - 1e-12,
+        worse=high < 0,
+        higher_is_better=True,
+    )
+
+
+def _recorded(
+    candidate: Outcomes,
+    champion: Outcomes,
+    settings: HeadlineSettings,
+    *,
+    values: tuple[float, float],
+    difference: float,
+    interval: tuple[float, float],
+    counts: Mapping[str, int],
+    method: str,
+    within: bool,
+    worse: bool,
+    higher_is_better: bool,
+) -> dict[str, Any]:
+    """The comparison as the gate records it: the same keys for every family, the direction
+    (``higher_is_better``) and the paired counts saying how to read them."""
     return {
         "compared": True,
         "metric": f"{settings.evaluator}.{settings.metric}",
+        **({} if higher_is_better else {"higher_is_better": False}),
         "candidate_evaluation_id": candidate.evaluation_id,
         "champion_evaluation_id": champion.evaluation_id,
         "candidate_raw_outputs_sha256": candidate.raw_outputs_sha256,
         "champion_raw_outputs_sha256": champion.raw_outputs_sha256,
-        "candidate": candidate.accuracy,
-        "champion": champion.accuracy,
-        "difference": (gained - lost) / n,
-        "interval": [low, high],
+        "candidate": values[0],
+        "champion": values[1],
+        "difference": difference,
+        "interval": list(interval),
         "confidence": settings.confidence,
         "margin": settings.margin,
-        "n": n,
-        "only_candidate_correct": gained,
-        "only_champion_correct": lost,
-        "method": METHOD,
+        "n": len(candidate.sample_ids),
+        **counts,
+        "method": method,
         "seed": settings.seed,
         "resamples": settings.resamples,
-        "within_margin": (gained - lost) / n >= -settings.margin - 1e-12,
-        "significantly_worse": high < 0,
-        "passed": (gained - lost) / n >= -settings.margin - 1e-12 and high >= 0,
+        "within_margin": bool(within),
+        "significantly_worse": bool(worse),
+        "passed": bool(within and not worse),
     }
 
 

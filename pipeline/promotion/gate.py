@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pipeline.digests import short_digest
 from pipeline.evaluation.base import NOT_APPLICABLE
 from pipeline.ledger.records import EvaluationRecord
 from pipeline.promotion.comparison import (
@@ -266,7 +267,9 @@ class QualityGate:
             if isinstance(provenance.get("model_digest"), str):
                 digests.setdefault(provenance["model_digest"], []).append(record.evaluation_id)
         if len(digests) > 1:
-            shown = "; ".join(f"{d[:23]}: {', '.join(ids)}" for d, ids in sorted(digests.items()))
+            shown = "; ".join(
+                f"{short_digest(d)}: {', '.join(ids)}" for d, ids in sorted(digests.items())
+            )
             reasons.append(f"the checkpoint's evaluations evaluated different weights ({shown})")
         return reasons
 

@@ -10,6 +10,7 @@ Tracks package from safetensors and JSON alone. No code from the artifact folder
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -51,12 +52,9 @@ class ServedModel:
     promotion_id: str
     checkpoint_manifest_sha256: str
     model: nn.Module
-
-    @property
-    def family(self) -> str:
-        from pipeline.textlm.model import TextLM
-
-        return "text-lm" if isinstance(self.model, TextLM) else "digits-cnn"
+    # The model family the verified trainer state names (the same field the checkpoint
+    # loader reads), not a guess from the model's class.
+    family: str
 
     def continue_text(self, prompts: list[str], *, max_new_tokens: int = 64) -> list[str]:
         """text-lm: the greedy continuation of each prompt."""
@@ -357,15 +355,18 @@ def load_champion(
             )
         )
         paths = _verified_files(local / "artifacts", record, model_name, number)
-        from pipeline.serving.loading import load_model_from_files
+        from pipeline.serving.loading import checkpoint_family, load_model_from_files
 
         model = load_model_from_files(paths["weights"], paths["trainer_state"])
+        state = json.loads(Path(paths["trainer_state"]).read_text())
+        family = checkpoint_family(state, paths["trainer_state"])
     return ServedModel(
         model_name=model_name,
         version=number,
         promotion_id=record.promotion_id,
         checkpoint_manifest_sha256=record.checkpoint_manifest_sha256,
         model=model,
+        family=family,
     )
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from pipeline.digests import sha256_bytes, sha256_json
+from pipeline.digests import sha256_bytes, sha256_json, short_digest
 
 JUDGE_VERSION = "char-ngram-judge-v1"
 ORDER = 4
@@ -104,7 +104,7 @@ class CharNgramJudge:
     @property
     def model_name(self) -> str:
         """What an evaluation records as ``judge_model``: version and table digest."""
-        return f"{JUDGE_VERSION}:{self.digest[:23]}"  # "sha256:" and 16 hex digits
+        return f"{JUDGE_VERSION}:{short_digest(self.digest)}"
 
     def describe(self) -> dict[str, Any]:
         return {
