@@ -1,4 +1,7 @@
-"""``nightly_retrain``: a new run on the newest snapshot whose blocking checks passed."""
+"""``nightly_retrain``: a new run per model family, each on the newest snapshot of that family
+whose blocking checks passed."""
+
+from collections.abc import Iterator
 
 import dagster as dg
 
@@ -11,8 +14,25 @@ AUTOMATION = AutomationSettings.from_env()
 BLOCKING_CHECKS = ("schema_contract", "data_quality")
 
 
-def newest_checked_snapshot(instance: dg.DagsterInstance) -> str | None:
-    """The most recently registered snapshot whose blocking checks last passed."""
+def newest_checked_snapshots(instance: dg.DagsterInstance) -> dict[str, str]:
+    """Per model family, the most recently registered snapshot whose blocking checks last
+    passed (families with none are left out), in the order of ``FAMILIES``."""
+    from pipeline.data.families import FAMILIES
+    from pipeline.data.snapshot import family_of_snapshot
+    from pipeline.ids import InvalidIdError
+
+    found: dict[str, str] = {}
+    for snapshot_id in _checked_newest_first(instance):
+        try:
+            family = family_of_snapshot(snapshot_id)
+        except InvalidIdError:
+            continue  # a partition key no trainer accepts: nothing to retrain on
+        found.setdefault(family, snapshot_id)
+    return {family: found[family] for family in FAMILIES if family in found}
+
+
+def _checked_newest_first(instance: dg.DagsterInstance) -> Iterator[str]:
+    """Snapshots whose blocking checks last passed, the most recently registered first."""
     from dagster._core.storage.asset_check_execution_record import (
         AssetCheckExecutionRecordStatus as Status,
     )
@@ -40,8 +60,7 @@ def newest_checked_snapshot(instance: dg.DagsterInstance) -> str | None:
     for snapshot_id in reversed(instance.get_dynamic_partitions(snapshot_partitions.name)):
         statuses = latest.get(snapshot_id, {})
         if all(statuses.get(name) == Status.SUCCEEDED for name in BLOCKING_CHECKS):
-            return snapshot_id
-    return None
+            yield snapshot_id
 
 
 @dg.schedule(
@@ -54,17 +73,27 @@ def newest_checked_snapshot(instance: dg.DagsterInstance) -> str | None:
         if AUTOMATION.automation_on
         else dg.DefaultScheduleStatus.STOPPED
     ),
-    description="Retrains on the newest snapshot that passed its checks (purpose: scheduled).",
+    description=(
+        "Retrains each model family on its newest snapshot that passed its checks "
+        "(purpose: scheduled)."
+    ),
 )
-def nightly_retrain(context: dg.ScheduleEvaluationContext) -> dg.RunRequest | dg.SkipReason:
-    snapshot_id = newest_checked_snapshot(context.instance)
-    if snapshot_id is None:
+def nightly_retrain(
+    context: dg.ScheduleEvaluationContext,
+) -> list[dg.RunRequest] | dg.SkipReason:
+    # One run per family: each family has its own champion to keep fresh, and the newest
+    # snapshot of one family says nothing about the other's data.
+    newest = newest_checked_snapshots(context.instance)
+    if not newest:
         return dg.SkipReason("no snapshot has passed its blocking checks yet")
     scheduled_for = context.scheduled_execution_time
     stamp = scheduled_for.strftime("%Y-%m-%dT%H:%M") if scheduled_for else "now"
-    return dg.RunRequest(
-        run_key=f"nightly:{stamp}",
-        partition_key=snapshot_id,
-        run_config={"ops": {"training_attempt": {"config": {"purpose": "scheduled"}}}},
-        tags={"tracks/trigger": "nightly_retrain"},
-    )
+    return [
+        dg.RunRequest(
+            run_key=f"nightly:{stamp}:{family}",
+            partition_key=snapshot_id,
+            run_config={"ops": {"training_attempt": {"config": {"purpose": "scheduled"}}}},
+            tags={"tracks/trigger": "nightly_retrain"},
+        )
+        for family, snapshot_id in newest.items()
+    ]

@@ -25,7 +25,7 @@ from pipeline.states import RunStatus, TerminationReason
 from resources import LedgerResource, StorageResource
 from sensors import snapshots
 from sensors.resume import resume_after_preemption
-from sensors.schedules import newest_checked_snapshot, nightly_retrain
+from sensors.schedules import newest_checked_snapshots, nightly_retrain
 from sensors.snapshots import new_snapshot
 
 
@@ -308,18 +308,23 @@ def test_one_bad_continuation_does_not_hold_up_the_others(tmp_path: Path) -> Non
     assert list(add.partition_keys) == [cli_snapshot]
 
 
-def test_nightly_retrain_picks_the_newest_snapshot_that_passed_its_checks(
+def test_nightly_retrain_picks_each_familys_newest_snapshot_that_passed_its_checks(
     settings: TracksSettings,
 ) -> None:
+    from pipeline.textlm.landing import write_text_landing
+
     resources = _resources(settings)
-    good_dir, bad_dir = settings.home / "good", settings.home / "bad"
+    good_dir, text_dir, bad_dir = (settings.home / n for n in ("good", "text", "bad"))
     write_digits_landing(good_dir)
+    write_text_landing(text_dir)
     write_digits_landing(bad_dir, drift=Drift.LABEL_OUT_OF_RANGE)
     good, bad = snapshot_id_for(good_dir), snapshot_id_for(bad_dir)
+    text = snapshot_id_for(text_dir, family="text-lm")
     with dg.instance_for_test() as instance:
         with dg.build_schedule_context(instance=instance) as context:
             assert isinstance(nightly_retrain(context), dg.SkipReason)
-        for snapshot_id, landing in ((good, good_dir), (bad, bad_dir)):  # bad is the newest
+        # The failing digits snapshot is the newest of all: neither family retrains on it.
+        for snapshot_id, landing in ((good, good_dir), (text, text_dir), (bad, bad_dir)):
             instance.add_dynamic_partitions("snapshots", [snapshot_id])
             dg.materialize(
                 [data_snapshot],
@@ -329,16 +334,19 @@ def test_nightly_retrain_picks_the_newest_snapshot_that_passed_its_checks(
                 run_config={"ops": {"data_snapshot": {"config": {"landing_dir": str(landing)}}}},
                 raise_on_error=False,
             )
-        assert newest_checked_snapshot(instance) == good
-        request = nightly_retrain(
+        assert newest_checked_snapshots(instance) == {"digits-cnn": good, "text-lm": text}
+        requests = nightly_retrain(
             dg.build_schedule_context(
                 instance=instance, scheduled_execution_time=datetime(2026, 11, 22, 3, 0, tzinfo=UTC)
             )
         )
-    assert isinstance(request, dg.RunRequest)
-    assert request.partition_key == good
-    assert request.run_key == "nightly:2026-11-22T03:00"
-    assert request.run_config["ops"]["training_attempt"]["config"]["purpose"] == "scheduled"
+    assert isinstance(requests, list)
+    assert [(r.partition_key, r.run_key) for r in requests] == [
+        (good, "nightly:2026-11-22T03:00:digits-cnn"),
+        (text, "nightly:2026-11-22T03:00:text-lm"),
+    ]
+    for request in requests:
+        assert request.run_config["ops"]["training_attempt"]["config"]["purpose"] == "scheduled"
 
 
 def test_a_continuation_runs_with_as_many_ranks_as_the_attempt_it_continues() -> None:
