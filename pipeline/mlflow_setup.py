@@ -111,15 +111,39 @@ def store_ready(tracking_uri: str) -> None:
 
 def _create_store(path: Path) -> None:
     from mlflow import MlflowClient
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
 
-    from pipeline.durable import fsync_dir
+    from pipeline.durable import fsync_dir, fsync_file
 
     staging = path.with_name(f".{path.name}.creating-{os.getpid()}")
     staging.unlink(missing_ok=True)
     uri = f"sqlite:///{staging}"
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    client.search_experiments(max_results=1)  # the tracking store creates its tables
-    client.search_registered_models(max_results=1)  # and the registry its own
+    staging_file = staging.resolve()
+
+    def unsynced(dbapi_connection: object, _record: object) -> None:
+        # MLflow's ~50 schema migrations commit one by one, each an fsync of the journal and
+        # the file: 10-20 s on a busy disk, for a file nobody can see yet. The staging file
+        # is synced once below, before it is renamed into place; a crash before that leaves
+        # only the staging file, which the next creation removes. Only this file's
+        # connections: the listener sees every engine of the process while it is installed.
+        cursor = dbapi_connection.cursor()  # type: ignore[attr-defined]
+        try:
+            cursor.execute("PRAGMA database_list")
+            if any(row[2] and Path(row[2]).resolve() == staging_file for row in cursor.fetchall()):
+                cursor.execute("PRAGMA synchronous=OFF")
+                cursor.execute("PRAGMA journal_mode=MEMORY")
+        finally:
+            cursor.close()
+
+    event.listen(Engine, "connect", unsynced)
+    try:
+        client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+        client.search_experiments(max_results=1)  # the tracking store creates its tables
+        client.search_registered_models(max_results=1)  # and the registry its own
+    finally:
+        event.remove(Engine, "connect", unsynced)
+    fsync_file(staging)
     os.replace(staging, path)
     fsync_dir(path.parent)
 
