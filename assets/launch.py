@@ -7,7 +7,7 @@ from typing import Any
 
 from dagster._core.storage.tags import RUN_KEY_TAG, SCHEDULED_EXECUTION_TIME_TAG, TICK_ID_TAG
 
-from pipeline.launch_facts import RESUME_SENSOR_NAME
+from pipeline.launch_facts import IN_RUN_VIA, RESUME_SENSOR_NAME
 
 # Set by Tracks' own launchers (`tracks demo`, `tracks canary`, the resume sensor) to name
 # themselves; Dagster sets the others.
@@ -15,6 +15,9 @@ LAUNCHED_BY_TAG = "tracks/launched_by"
 # What Dagster's daemon launches leaves its own tags; a Tracks tag naming one of these without
 # them is a claim, not evidence.
 _DAEMON_LAUNCHERS = ("sensor:", "schedule:", "backfill:")
+# Set on the receipt by the step that continues a run in place (never read from a tag): a
+# launch tagged with it is a claim too.
+_RECEIPT_ONLY_LAUNCHERS = (*_DAEMON_LAUNCHERS, IN_RUN_VIA)
 # The resume sensor's name for the continuation a Dagster run is: "<run id>:attempt-<n>".
 CONTINUATION_TAG = "tracks/continuation"
 # The run and attempt a launch says it is (the resume sensor sets both); checked, not believed.
@@ -52,7 +55,7 @@ def launched_by(tags: Mapping[str, str]) -> dict[str, Any]:
         via = f"schedule:{tags['dagster/schedule_name']}"
     elif tags.get("dagster/backfill"):
         via = f"backfill:{tags['dagster/backfill']}"
-    elif tags.get(LAUNCHED_BY_TAG, "").startswith(_DAEMON_LAUNCHERS):
+    elif tags.get(LAUNCHED_BY_TAG, "").startswith(_RECEIPT_ONLY_LAUNCHERS):
         via = "ui"  # a daemon's name with none of the daemon's own tags: claimed by hand
     else:
         via = tags.get(LAUNCHED_BY_TAG) or "ui"
@@ -73,6 +76,35 @@ def launched_by(tags: Mapping[str, str]) -> dict[str, Any]:
         for name, key in _DAEMON_TAGS.items():
             if tags.get(key):
                 found[name] = _short(tags[key])
+    return found
+
+
+def continued_in_run(
+    first_launch: Mapping[str, Any],
+    dagster_run_id: str,
+    ended_key: str,
+    ended_attempt_no: int,
+    termination_reason: str,
+    rule: str,
+) -> dict[str, Any]:
+    """``launched_by`` of an attempt that the Dagster run ``dagster_run_id`` opened itself
+    after the attempt ``ended_key`` ended (``via`` ``in_run:<Dagster run id>``).
+
+    The evidence is the ended attempt, its termination reason and the decision's rule, not the
+    run's tags (they describe the launch of the run's first attempt in this Dagster run). The
+    trainer config and the user are the first launch's: the same step, the same trainer
+    resource.
+    """
+    found: dict[str, Any] = {
+        "via": _short(f"{IN_RUN_VIA}{dagster_run_id}"),
+        "continues_attempt": str(ended_attempt_no),
+        "ended_attempt": _short(ended_key),
+        "termination_reason": termination_reason,
+        "rule": _short(rule),
+    }
+    for key in ("user", "trainer_config"):
+        if first_launch.get(key):
+            found[key] = first_launch[key]
     return found
 
 

@@ -2,6 +2,7 @@
 
 import math
 import resource
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,12 @@ import dagster as dg
 from dagster._core.errors import DagsterExecutionInterruptedError
 
 from assets.failures import step_failure
-from assets.launch import CONTINUATION_TAG, launched_by, trainer_config_source
+from assets.launch import (
+    CONTINUATION_TAG,
+    continued_in_run,
+    launched_by,
+    trainer_config_source,
+)
 from assets.lineage import upstream_metadata
 from assets.links import mlflow_training_link
 from assets.partitions import ASSET_GROUP, snapshot_partitions
@@ -123,7 +129,8 @@ def _children_cpu_seconds() -> float:
     deps=["data_snapshot"],
     group_name=ASSET_GROUP,
     kinds={"pytorch"},
-    description="One attempt of a training run: the trainer process, launched through Pipes.",
+    description="One attempt of a training run: the trainer process, launched through Pipes "
+    "(and the next attempts, where it dies and the retry policy continues the run at once).",
     config_schema=TRAINING_ATTEMPT_CONFIG,
 )
 def training_attempt(
@@ -133,22 +140,14 @@ def training_attempt(
     trainer: TrainerLauncherResource,
     mlflow: MlflowResource,
 ) -> dg.MaterializeResult:
-    from pipeline.attempts import (
-        AttemptRefusedError,
-        PreparedAttempt,
-        finish_attempt,
-        prepare_attempt,
-    )
+    from pipeline.attempts import AttemptRefusedError, PreparedAttempt, prepare_attempt
     from pipeline.data.errors import DataError
     from pipeline.data.gate import ensure_checks_passed
     from pipeline.data.snapshot import open_snapshot
     from pipeline.explain import explain
-    from pipeline.launch_facts import contradicted_tags
     from pipeline.ledger import LedgerError
     from pipeline.plots import loss_curve_markdown, loss_sparkline
-    from pipeline.reasons import launcher_failed
     from pipeline.retry import RetryPolicyError, load_retry_policy
-    from pipeline.tracking import mirror_attempt
     from pipeline.trainer.config import ConfigError
 
     config = TrainingRunConfig(**context.op_execution_context.op_config)
@@ -189,46 +188,192 @@ def training_attempt(
             context.log.info(f"train.device is unset: {device}, where the trainer places the run")
         return device
 
-    try:
-        train_config = train_config_for_attempt(
-            book, config, snapshot, run_id, default_device=placement_device
-        )
-        if Path(train_config.snapshot_dir) != snapshot.path.resolve():
-            # The gate above passed this partition's snapshot, and the receipt names it.
-            raise ConfigError(
-                SOURCE,
-                "snapshot_dir",
-                f"{train_config.snapshot_dir} is not this partition's snapshot {snapshot.path}",
+    def open_attempt(
+        run_config: TrainingRunConfig, run_id: str | None, launched: dict[str, Any]
+    ) -> PreparedAttempt:
+        try:
+            train_config = train_config_for_attempt(
+                book, run_config, snapshot, run_id, default_device=placement_device
             )
-        policy = load_retry_policy(config.retry_policy)
-        prepared = prepare_attempt(
-            book,
-            snapshot=snapshot,
-            train_config=train_config,
-            work_root=storage.work_dir(),
-            run_id=run_id,
+            if Path(train_config.snapshot_dir) != snapshot.path.resolve():
+                # The gate above passed this partition's snapshot, and the receipt names it.
+                raise ConfigError(
+                    SOURCE,
+                    "snapshot_dir",
+                    f"{train_config.snapshot_dir} is not this partition's snapshot {snapshot.path}",
+                )
+            policy = load_retry_policy(run_config.retry_policy)
+            return prepare_attempt(
+                book,
+                snapshot=snapshot,
+                train_config=train_config,
+                work_root=storage.work_dir(),
+                run_id=run_id,
+                owner=run_config.owner,
+                purpose=run_config.purpose,
+                retry_policy=policy,
+                dagster_run_id=context.run_id,
+                launched_by=launched,
+                note=run_config.note,  # the launch-time note, on this attempt, by who launched it
+            )
+        except ids.InvalidIdError as exc:  # model_family or run_id
+            raise step_failure(f"{SOURCE}: {exc}", exc) from None
+        except AttemptRefusedError as exc:
+            said = str(exc)
+            if reexecuted is not None:
+                said = (
+                    f"Re-executing Dagster run {tags['dagster/parent_run_id']} continues run "
+                    f"{exc.run_id} (its attempt {reexecuted.attempt_no} ran in Dagster run "
+                    f"{reexecuted.dagster_run_id}), and the retry policy refuses it: {said}"
+                )
+            last = book.latest_attempt(exc.run_id)
+            how = _how_to_continue(exc.run_id, context.partition_key, last.config_snapshot or {})
+            raise step_failure(f"{said}. {how}", exc) from None
+        except (ConfigError, RetryPolicyError, LedgerError) as exc:
+            raise step_failure(str(exc), exc) from None
+
+    prepared = open_attempt(config, run_id, launch)
+    hosted: list[int] = []  # the attempts this step ran, in order
+    while True:
+        finished, outcome, contradicted = _run_attempt(
+            context, book, storage, trainer, mlflow, prepared, backend, ranks, launch
+        )
+        run, attempt = prepared.run, prepared.attempt
+        hosted.append(attempt.attempt_no)
+        if finished.succeeded or not _may_continue_in_place(context, book, config, finished):
+            break
+        # Continue in place: the next attempt of the same ledger run, opened and launched by
+        # this step exactly as the resume sensor's Dagster run would open it (its last
+        # attempt's config, resuming where prepare_attempt plans), on the same trainer.
+        decision = finished.decision
+        if decision.backoff_seconds > 0:
+            context.log.info(f"waiting {decision.backoff_seconds:.1f}s: {decision.reason}")
+            time.sleep(decision.backoff_seconds)
+        launch = continued_in_run(
+            launch,
+            context.run_id,
+            attempt.key,
+            attempt.attempt_no,
+            str(finished.termination.reason),
+            decision.rule,
+        )
+        continued = TrainingRunConfig(
             owner=config.owner,
             purpose=config.purpose,
-            retry_policy=policy,
-            dagster_run_id=context.run_id,
-            launched_by=launch,
-            note=config.note,  # the launch-time note, on this attempt, by who launched it
+            run_id=run.run_id,
+            retry_policy=config.retry_policy,
+            continue_in_run=config.continue_in_run,
+        )  # no train keys: the last attempt's config, as the sensor's continuation has
+        prepared = open_attempt(continued, run.run_id, launch)
+        ending = finished.attempt.signal or f"exit code {finished.attempt.exit_code}"
+        planned = prepared.planned_resume_from
+        context.log.info(
+            f"attempt {attempt.key} ended {finished.termination.reason} ({ending}); continuing "
+            f"in this run as attempt {prepared.attempt.key} from "
+            + (Path(planned.path).name if planned else "a fresh start")
+            + f" (rule {decision.rule}: {decision.reason})"
         )
-    except ids.InvalidIdError as exc:  # model_family or run_id
-        raise step_failure(f"{SOURCE}: {exc}", exc) from None
-    except AttemptRefusedError as exc:
-        said = str(exc)
-        if reexecuted is not None:
-            said = (
-                f"Re-executing Dagster run {tags['dagster/parent_run_id']} continues run "
-                f"{exc.run_id} (its attempt {reexecuted.attempt_no} ran in Dagster run "
-                f"{reexecuted.dagster_run_id}), and the retry policy refuses it: {said}"
-            )
-        last = book.latest_attempt(exc.run_id)
-        how = _how_to_continue(exc.run_id, context.partition_key, last.config_snapshot or {})
-        raise step_failure(f"{said}. {how}", exc) from None
-    except (ConfigError, RetryPolicyError, LedgerError) as exc:
-        raise step_failure(str(exc), exc) from None
+
+    # The run's page as it stands when this attempt ends: evaluation and promotion come later,
+    # and the assets that record them (evaluation, promoted_model) attach the page again then.
+    story = dg.MetadataValue.md(
+        f"*The run as it stood when attempt {attempt.attempt_no} ended; `evaluation` and "
+        "`promoted_model` attach this page again once they are recorded.*\n\n"
+        + explain(book, attempt.key)
+    )
+    # Numbers only where a plot over materializations means something (losses, throughput):
+    # an attempt number or a step is an identifier, so it is text.
+    metadata: dict[str, Any] = {
+        "run_id": run.run_id,
+        "attempt_no": dg.MetadataValue.text(str(attempt.attempt_no)),
+        "termination_reason": str(finished.termination.reason),
+        "termination_detail": finished.termination.detail,
+        "explain": story,
+        **mlflow_training_link(mlflow, run.run_id),
+    }
+    if contradicted:
+        metadata["tags_contradicted"] = dg.MetadataValue.text(contradicted)
+    if len(hosted) > 1:
+        metadata["attempts_in_this_dagster_run"] = dg.MetadataValue.text(
+            ", ".join(str(n) for n in hosted)
+            + f" (attempts after the first continued in place by Dagster run {context.run_id})"
+        )
+    decision_table = fields_table(
+        "retry_decision", finished.decision.to_json(), "as the retry policy recorded it"
+    )
+    if not finished.succeeded:
+        decision = finished.decision
+        description = (
+            f"attempt {attempt.key} ended {finished.termination.reason}: "
+            f"{finished.termination.detail} Next: {decision.action} ({decision.reason})"
+        )
+        metadata["retry_decision"] = decision_table
+        # One owner per failure: the resume sensor continues the run (resume, retry after its
+        # backoff, rollback) as the decision says, where this step did not continue it in
+        # place (a longer backoff, continue_in_run off, the run terminated); Dagster itself
+        # never retries this step.
+        raise dg.Failure(description=description, metadata=metadata, allow_retries=False)
+
+    steps = _messages(outcome, "step") if outcome else []
+    # The receipt, not the plan: where the trainer reported it resumed from.
+    resumed_from = finished.attempt.resumed_from_checkpoint
+    restored = finished.attempt.restored_step
+    commits = _messages(outcome, "checkpoint_committed") if outcome else []
+    checkpoints = book.checkpoints(run.run_id)
+    if steps:
+        metadata |= {
+            "loss_curve": dg.MetadataValue.md(
+                loss_curve_markdown(
+                    steps,
+                    [int(c["step"]) for c in commits if "step" in c],
+                    title=f"loss, attempt {attempt.attempt_no}",
+                )
+            ),
+            "loss": dg.MetadataValue.text(loss_sparkline(steps)),
+            "first_loss": float(steps[0]["loss"]),
+            "final_loss": float(steps[-1]["loss"]),
+            "examples_per_second": float(steps[-1].get("examples_per_second", 0.0)),
+            "loss_by_step": loss_table(steps),
+        }
+    previous, compared_with = _previous_config(book, run, attempt.attempt_no)
+    metadata |= {
+        "checkpoints_committed": commits_table(commits, checkpoints),
+        "checkpoint_lineage": checkpoint_lineage_table(checkpoints),
+        "config": config_table(prepared.train_config.to_dict(), previous),
+        "config_compared_with": dg.MetadataValue.text(compared_with),
+        "retry_decision": decision_table,
+        "config_sha256": prepared.train_config.sha256(),
+        "snapshot_id": snapshot.snapshot_id,
+        "data_manifest_sha256": snapshot.manifest_sha256,
+        "resumed_from_checkpoint": resumed_from or "none",
+        "restored_step": dg.MetadataValue.text(
+            str(restored) if restored is not None else "unknown"
+        ),
+    }
+    return dg.MaterializeResult(metadata=metadata)
+
+
+def _run_attempt(
+    context: dg.AssetExecutionContext,
+    book: Any,
+    storage: StorageResource,
+    trainer: TrainerLauncherResource,
+    mlflow: MlflowResource,
+    prepared: Any,
+    backend: TrainerBackend,
+    ranks: int,
+    launch: Mapping[str, Any],
+) -> tuple[Any, TrainerExit | None, str | None]:
+    """Launch the prepared attempt's trainer and close its receipt, however it ends.
+
+    Returns the finished attempt, the trainer's exit (None when it never ran) and the sentence
+    naming contradicted tags (or None). A terminated Dagster run or a launcher that failed
+    re-raises, after the receipt is closed and mirrored.
+    """
+    from pipeline.attempts import finish_attempt
+    from pipeline.launch_facts import contradicted_tags
+    from pipeline.reasons import launcher_failed
+    from pipeline.tracking import mirror_attempt
 
     run, attempt = prepared.run, prepared.attempt
     # How it was launched, before the trainer starts (and merges what only it knows).
@@ -293,77 +438,46 @@ def training_attempt(
         )
         if unmirrored:
             context.log.warning(unmirrored)
+    return finished, outcome, contradicted
 
-    # The run's page as it stands when this attempt ends: evaluation and promotion come later,
-    # and the assets that record them (evaluation, promoted_model) attach the page again then.
-    story = dg.MetadataValue.md(
-        f"*The run as it stood when attempt {attempt.attempt_no} ended; `evaluation` and "
-        "`promoted_model` attach this page again once they are recorded.*\n\n"
-        + explain(book, attempt.key)
-    )
-    # Numbers only where a plot over materializations means something (losses, throughput):
-    # an attempt number or a step is an identifier, so it is text.
-    metadata: dict[str, Any] = {
-        "run_id": run.run_id,
-        "attempt_no": dg.MetadataValue.text(str(attempt.attempt_no)),
-        "termination_reason": str(finished.termination.reason),
-        "termination_detail": finished.termination.detail,
-        "explain": story,
-        **mlflow_training_link(mlflow, run.run_id),
-    }
-    if contradicted:
-        metadata["tags_contradicted"] = dg.MetadataValue.text(contradicted)
-    decision_table = fields_table(
-        "retry_decision", finished.decision.to_json(), "as the retry policy recorded it"
-    )
-    if not finished.succeeded:
-        decision = finished.decision
-        description = (
-            f"attempt {attempt.key} ended {finished.termination.reason}: "
-            f"{finished.termination.detail} Next: {decision.action} ({decision.reason})"
+
+# A terminated Dagster run is a person's cancellation: never continued in place.
+_ENDING_STATUSES = (dg.DagsterRunStatus.CANCELING, dg.DagsterRunStatus.CANCELED)
+
+
+def _may_continue_in_place(
+    context: dg.AssetExecutionContext, book: Any, config: TrainingRunConfig, finished: Any
+) -> bool:
+    """Whether this step opens the next attempt itself: the launch allows it
+    (``continue_in_run``), the decision continues the run at once
+    (:func:`pipeline.continuation.continues_in_run`), nobody is terminating this Dagster run,
+    and the ended attempt is still the run's newest (no other launch carried the run on)."""
+    from pipeline.continuation import IN_RUN_MAX_BACKOFF_SECONDS, continues_in_run
+    from pipeline.states import RunStatus
+
+    decision, ended = finished.decision, finished.attempt
+    if not config.continue_in_run or not continues_in_run(decision):
+        if config.continue_in_run and decision.backoff_seconds > IN_RUN_MAX_BACKOFF_SECONDS:
+            context.log.info(
+                f"attempt {ended.key}: the decision waits {decision.backoff_seconds:.0f}s, "
+                f"more than {IN_RUN_MAX_BACKOFF_SECONDS:.0f}s: the resume sensor continues it"
+            )
+        return False
+    hosting = context.instance.get_run_by_id(context.run_id)
+    if hosting is not None and hosting.status in _ENDING_STATUSES:
+        context.log.info(
+            f"attempt {ended.key}: this Dagster run is being terminated: no continuing"
         )
-        metadata["retry_decision"] = decision_table
-        # One owner per failure: the resume sensor continues the run (resume, retry after its
-        # backoff, rollback) as the decision says; Dagster itself never retries this step.
-        raise dg.Failure(description=description, metadata=metadata, allow_retries=False)
-
-    steps = _messages(outcome, "step") if outcome else []
-    # The receipt, not the plan: where the trainer reported it resumed from.
-    resumed_from = finished.attempt.resumed_from_checkpoint
-    restored = finished.attempt.restored_step
-    commits = _messages(outcome, "checkpoint_committed") if outcome else []
-    checkpoints = book.checkpoints(run.run_id)
-    if steps:
-        metadata |= {
-            "loss_curve": dg.MetadataValue.md(
-                loss_curve_markdown(
-                    steps,
-                    [int(c["step"]) for c in commits if "step" in c],
-                    title=f"loss, attempt {attempt.attempt_no}",
-                )
-            ),
-            "loss": dg.MetadataValue.text(loss_sparkline(steps)),
-            "first_loss": float(steps[0]["loss"]),
-            "final_loss": float(steps[-1]["loss"]),
-            "examples_per_second": float(steps[-1].get("examples_per_second", 0.0)),
-            "loss_by_step": loss_table(steps),
-        }
-    previous, compared_with = _previous_config(book, run, attempt.attempt_no)
-    metadata |= {
-        "checkpoints_committed": commits_table(commits, checkpoints),
-        "checkpoint_lineage": checkpoint_lineage_table(checkpoints),
-        "config": config_table(prepared.train_config.to_dict(), previous),
-        "config_compared_with": dg.MetadataValue.text(compared_with),
-        "retry_decision": decision_table,
-        "config_sha256": prepared.train_config.sha256(),
-        "snapshot_id": snapshot.snapshot_id,
-        "data_manifest_sha256": snapshot.manifest_sha256,
-        "resumed_from_checkpoint": resumed_from or "none",
-        "restored_step": dg.MetadataValue.text(
-            str(restored) if restored is not None else "unknown"
-        ),
-    }
-    return dg.MaterializeResult(metadata=metadata)
+        return False
+    newest = book.latest_attempt(ended.run_id)
+    if newest is None or newest.attempt_no != ended.attempt_no:
+        context.log.warning(
+            f"attempt {ended.key} ended, but attempt {newest.key if newest else '?'} is the "
+            "run's newest: another launch carries the run on; not continuing in place"
+        )
+        return False
+    # A run the ended attempt's decision did not stop (failed, say, by a person) stays ended.
+    return str(book.get_run(ended.run_id).status) == str(RunStatus.RUNNING)
 
 
 def _previous_config(book: Any, run: Any, attempt_no: int) -> tuple[dict[str, Any] | None, str]:

@@ -1,7 +1,8 @@
 """The run config of ``training_attempt``: the run's identity and policy beside the trainer's
 whole :class:`~pipeline.trainer.config.TrainConfig`.
 
-``ops: {training_attempt: {config: {run_id, owner, purpose, retry_policy, note, train: {...}}}}``.
+``ops: {training_attempt: {config: {run_id, owner, purpose, retry_policy, note, continue_in_run,
+train: {...}}}}``.
 ``train`` is generated from TrainConfig's dataclass fields (nested sections nested, each field's
 docstring its description in the Launchpad), never restated here. Every ``train`` key is optional
 and has no Dagster default: left out, a new run takes TrainConfig's default and a continued run
@@ -120,6 +121,14 @@ TRAINING_ATTEMPT_CONFIG: dict[str, dg.Field] = {
         description="Why this launch (a sentence or two, at most 2000 characters): recorded as "
         "a note on the attempt, by who launched it, and shown by `tracks explain`.",
     ),
+    "continue_in_run": dg.Field(
+        dg.Bool,
+        default_value=True,
+        description="When the trainer dies and the retry policy continues the run at once "
+        "(a preemption; a backoff of at most a few seconds), open the next attempt in this "
+        "Dagster run instead of waiting for the resume sensor to launch a new one. Never after "
+        "a person terminates the run. The resume sensor's continuations carry it over.",
+    ),
     "train": dg.Field(
         dataclass_shape(TrainConfig, skip=NOT_IN_RUN_CONFIG),
         is_required=False,
@@ -141,6 +150,7 @@ class TrainingRunConfig:
     retry_policy: str | None = None
     train: Mapping[str, Any] = field(default_factory=dict)
     note: str | None = None  # the launch-time note, recorded on the attempt
+    continue_in_run: bool = True  # open the next attempt in this Dagster run when due at once
 
 
 def family_defaults(family: str) -> dict[str, Any]:

@@ -29,6 +29,42 @@ from pipeline.tracking import mirror_attempt
 
 CONTINUING_ACTIONS = (RetryAction.RESUME, RetryAction.RETRY, RetryAction.ROLLBACK)
 
+# The Dagster step that saw its trainer die opens the next attempt itself (continuing in place)
+# when the decision continues the run and waits at most this long: a preemption waits 0 s, and
+# a wait this short costs the step less than a new Dagster run would (6.3 s of sensor tick,
+# daemon launch and code location load on 2 quiet vCPUs, 12.5 s under load;
+# bench/results/2026-11-27-resume-latency-in-place.md).
+# A longer backoff (infra_transient's 30 s and up) is left to the resume sensor, so a Dagster
+# run never sits idle holding its run slot through a wait.
+IN_RUN_MAX_BACKOFF_SECONDS = 5.0
+# How long the resume sensor leaves a continuation to the Dagster run that hosted the ended
+# attempt while that run is not finished. The step opens the next attempt within seconds of
+# closing one; a run still unfinished long after (its run worker died with the node and
+# nothing marked the run failed) gets the sensor's continuation anyway: fencing tokens make
+# a late second attempt lose.
+IN_RUN_CLAIM_SECONDS = 120.0
+
+
+def continues_in_run(decision: RetryDecision) -> bool:
+    """Whether the step that ran the ended attempt opens the next one itself: the decision
+    continues the run (resume, retry, rollback) after a backoff of at most
+    :data:`IN_RUN_MAX_BACKOFF_SECONDS`. The budget is already in the decision: a spent one
+    says stop."""
+    seconds = decision.backoff_seconds
+    return (
+        decision.action in CONTINUING_ACTIONS
+        and math.isfinite(seconds)
+        and 0 <= seconds <= IN_RUN_MAX_BACKOFF_SECONDS
+    )
+
+
+def in_run_claim_open(ended: AttemptRecord, now: datetime) -> bool:
+    """Whether the continuation of ``ended`` still belongs to the Dagster run that hosted it
+    (when that run is not finished): within :data:`IN_RUN_CLAIM_SECONDS` of its end."""
+    if ended.ended_at is None:
+        return False
+    return (now - ended.ended_at).total_seconds() <= IN_RUN_CLAIM_SECONDS
+
 
 @dataclass(frozen=True)
 class Continuation:

@@ -21,6 +21,7 @@ from pipeline.digests import short_digest
 from pipeline.launch_facts import (
     contradicted_tags,
     fault_hooks_words,
+    in_run_words,
     placement_change_sentence,
     trainer_source_words,
 )
@@ -489,6 +490,8 @@ def _launch_words(a: AttemptRecord, attempts: Sequence[AttemptRecord] = ()) -> s
         if launched.get("dagster_run_id"):
             extra.append(f"Dagster run {launched['dagster_run_id']}")
         out.append(f"Launched by **{who}**" + (f" ({', '.join(extra)})" if extra else "") + ".")
+        if in_run := in_run_words(launched):
+            out.append(f"{in_run}.")
         if contradicted := contradicted_tags(launched, a.run_id, a.attempt_no):
             out.append(f"**{contradicted}**")
         if launched.get("trainer_config"):

@@ -16,6 +16,26 @@ from pipeline.ledger import AttemptRecord
 
 RESUME_SENSOR_NAME = "resume_after_preemption"
 _RESUME_SENSOR = f"sensor:{RESUME_SENSOR_NAME}"
+# ``via`` of an attempt the Dagster run that hosted the ended one opened itself (continued in
+# place): ``in_run:<Dagster run id>``.
+IN_RUN_VIA = "in_run:"
+
+
+def in_run_words(launched: Mapping[str, Any] | None) -> str | None:
+    """ "Continued in place by Dagster run D after attempt R#N ended preempted, rule `…`: …",
+    or None when the attempt was not continued in place."""
+    launched = launched or {}
+    via = str(launched.get("via") or "")
+    if not via.startswith(IN_RUN_VIA):
+        return None
+    ended = launched.get("ended_attempt") or launched.get("continues_attempt") or "?"
+    reason = launched.get("termination_reason") or "with an unrecorded reason"
+    rule = f", rule `{launched['rule']}`" if launched.get("rule") else ""
+    return (
+        f"Continued in place by Dagster run {via.removeprefix(IN_RUN_VIA)} after attempt "
+        f"{ended} ended {reason}{rule}: the step that saw it end opened this attempt itself, "
+        "with no new Dagster run and no resume sensor tick"
+    )
 
 
 def continuation_key(run_id: str, attempt_no: int) -> str:
@@ -122,7 +142,12 @@ def trainer_source_words(
     via = str(launched.get("via") or "an unrecorded launcher")
     source = launched.get("trainer_config") or {}
     kind = source.get("from")
-    who = "the resume sensor" if via == _RESUME_SENSOR else via
+    if via == _RESUME_SENSOR:
+        who = "the resume sensor"
+    elif via.startswith(IN_RUN_VIA):
+        who = f"the in-place continuation in Dagster run {via.removeprefix(IN_RUN_VIA)}"
+    else:
+        who = via
     if kind == "dagster_run":
         dagster_run = source.get("dagster_run_id")
         ran = [str(a.attempt_no) for a in attempts if a.dagster_run_id == dagster_run]

@@ -4,6 +4,8 @@ Reads the ledger each tick (docs/architecture.md, "Platform facts": run-failure 
 events).
 The retry decision on the ended attempt says whether to continue; the run key makes each
 continuation happen once; Dagster's own run retries stay off, so this sensor is the one owner.
+A continuation the Dagster run that ran the ended attempt may still open itself (continuing in
+place, assets/training.py) is left to that run while it is not finished.
 """
 
 import copy
@@ -132,6 +134,8 @@ def _request_for(
 ) -> dg.RunRequest | None:
     from pipeline import ids
 
+    if _left_to_hosting_run(context, c, now):
+        return None
     if c.not_before > now:
         context.log.info(f"{c.run_key}: backing off until {c.not_before:%H:%M:%S}")
         return None
@@ -171,6 +175,49 @@ def _request_for(
     )
 
 
+# The statuses of a Dagster run whose steps may still be executing (a run that opened an
+# attempt has started; queued or not started, it cannot have).
+_STEP_MAY_RUN = (
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+    dg.DagsterRunStatus.CANCELING,
+)
+
+
+def _left_to_hosting_run(
+    context: dg.SensorEvaluationContext, c: "Continuation", now: datetime
+) -> bool:
+    """Whether the Dagster run that ran the ended attempt still owns its continuation.
+
+    While that run is not finished (starting, started or being terminated), its
+    ``training_attempt`` step may be opening the next attempt itself (continuing in place): a
+    run launched here too would be a second attempt, which fencing would make lose but which
+    should not exist. Once the run ends (the step
+    failed, or it did not continue in place) the next tick takes over; a run still unfinished
+    :data:`~pipeline.continuation.IN_RUN_CLAIM_SECONDS` after the attempt ended (its run worker
+    died and nothing marked the run failed) no longer holds the continuation back.
+    """
+    from pipeline.continuation import IN_RUN_CLAIM_SECONDS, in_run_claim_open
+
+    hosting = c.ended.dagster_run_id
+    run = context.instance.get_run_by_id(hosting) if hosting else None
+    if run is None or run.status not in _STEP_MAY_RUN:
+        return False
+    if in_run_claim_open(c.ended, now):
+        context.log.info(
+            f"{c.run_key}: not launched: Dagster run {hosting}, which ran attempt "
+            f"{c.ended.key}, is still {run.status.value}; the continuation is its own "
+            "(it continues in place, or ends and a later tick launches it)"
+        )
+        return True
+    context.log.warning(
+        f"{c.run_key}: Dagster run {hosting}, which ran attempt {c.ended.key}, is still "
+        f"{run.status.value} {IN_RUN_CLAIM_SECONDS:.0f}s after the attempt ended without "
+        "opening the next one; launching the continuation here"
+    )
+    return False
+
+
 def _continuation_config(c: "Continuation", instance: dg.DagsterInstance) -> dict[str, Any]:
     """The run config of the continuation (see :func:`_continuation_plan`)."""
     return _continuation_plan(c, instance)[0]
@@ -197,6 +244,13 @@ def _continuation_plan(
     dagster_run_id = c.ended.dagster_run_id
     original = instance.get_run_by_id(dagster_run_id) if dagster_run_id else None
     if original is not None:
+        # Whether the step may continue in place is the launch's choice: carried over as set.
+        ops = original.run_config.get("ops") or {}
+        op_config = (ops.get("training_attempt") or {}).get("config") or {}
+        if "continue_in_run" in op_config:
+            config["ops"]["training_attempt"]["config"]["continue_in_run"] = op_config[
+                "continue_in_run"
+            ]
         trainer = (original.run_config.get("resources") or {}).get("trainer")
         if trainer:
             trainer = copy.deepcopy(trainer)

@@ -168,7 +168,9 @@ def test_a_rank_of_two_hung_is_named_and_the_sensor_resumes_the_run_to_completio
         instance.add_dynamic_partitions("snapshots", [snapshot.snapshot_id])
         first = _materialize(
             instance, tracks_home, snapshot.snapshot_id,
-            {"ops": {"training_attempt": {"config": {"train": train}}}, "resources": two_ranks},
+            # The resume sensor's continuation is the point: no continuing in place.
+            {"ops": {"training_attempt": {"config": {"train": train, "continue_in_run": False}}},
+             "resources": two_ranks},
         )  # fmt: skip
         assert not first.success
         [hung] = ledger.list_attempts()

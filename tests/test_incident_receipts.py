@@ -70,8 +70,12 @@ def _run_of(ledger: Ledger, dagster_run_id: str) -> str | None:
 
 
 def _start(server: DagsterDev, home: Path, snapshot: str, seed: int) -> tuple[str, str]:
+    # The resume sensor's continuations are the point: no continuing in place (carried over).
     dagster_run = launch_graph(
-        server, snapshot, {"train": {**TRAINING, "seed": seed}}, resources=TWO_RANKS
+        server,
+        snapshot,
+        {"train": {**TRAINING, "seed": seed}, "continue_in_run": False},
+        resources=TWO_RANKS,
     )
     ledger = _ledger(home)
     run_id = wait_for(lambda: _run_of(ledger, dagster_run), 120, "the run's first attempt")

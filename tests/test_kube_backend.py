@@ -118,7 +118,11 @@ async def _materialize(
         "trainer": TrainerLauncherResource(),
     }
     run_config = {
-        "ops": {"training_attempt": {"config": {"train": {"max_steps": 20}}}},
+        # One attempt's receipt per test: a preempted one fails its step, never continued in
+        # place (the scripted cluster plays one workload).
+        "ops": {
+            "training_attempt": {"config": {"train": {"max_steps": 20}, "continue_in_run": False}}
+        },
         "resources": {"trainer": {"config": trainer_config}},
     }
     instance = dg.DagsterInstance.ephemeral()

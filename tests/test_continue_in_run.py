@@ -1,0 +1,166 @@
+"""Continuing in place: the Dagster step that saw its trainer die opens the next attempt itself.
+
+The rule, unit by unit: which decisions continue in place, what the in-place attempt's receipt
+says, and the sensor's side (a continuation is left to the Dagster run that hosted the ended
+attempt while that run may still be executing). The live case, a SIGKILLed trainer continued
+by its own Dagster run to the uninterrupted result, is in tests/test_preemption_drill.py, on
+the same ``dagster dev`` as the sensor's cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from assets.launch import continued_in_run, launched_by
+from pipeline.continuation import (
+    IN_RUN_MAX_BACKOFF_SECONDS,
+    continues_in_run,
+)
+from pipeline.launch_facts import contradicted_tags, trainer_source_words
+from pipeline.ledger import AttemptStart, Ledger
+from pipeline.retry import RetryAction, RetryDecision, decide, policy_for_run, record_decision
+from pipeline.states import RunStatus, TerminationReason
+from resources import LedgerResource, StorageResource
+from sensors.resume import resume_after_preemption
+
+SNAPSHOT = "digits-00000000000000aa"
+
+
+def _decision(action: RetryAction, backoff: float) -> RetryDecision:
+    return RetryDecision(
+        action=action, rule="r", reason="why", termination_reason=TerminationReason.PREEMPTED,
+        attempt_no=1, budget_left={}, spent={}, backoff_seconds=backoff,
+    )  # fmt: skip
+
+
+def test_only_a_continuing_decision_with_a_short_wait_continues_in_place() -> None:
+    assert continues_in_run(_decision(RetryAction.RESUME, 0.0))
+    assert continues_in_run(_decision(RetryAction.ROLLBACK, IN_RUN_MAX_BACKOFF_SECONDS))
+    assert not continues_in_run(_decision(RetryAction.RETRY, 30.0))  # infra_transient's wait
+    for action in (RetryAction.STOP, RetryAction.NONE, RetryAction.NEWER_ATTEMPT):
+        assert not continues_in_run(_decision(action, 0.0))
+    assert not continues_in_run(_decision(RetryAction.RESUME, float("nan")))
+
+
+def test_an_in_place_attempt_names_its_dagster_run_and_the_attempt_it_continues() -> None:
+    # Launched from the UI by ana, on the run config's trainer; its tags name the first attempt.
+    tags = {"dagster/user": "ana", "tracks/run_id": "r1"}
+    first = launched_by(tags) | {"trainer_config": {"from": "run_config", "dagster_run_id": "d1"}}
+    second = continued_in_run(first, "d1", "r1#1", 1, "preempted", "preempted_resume")
+    assert second == {
+        "via": "in_run:d1", "continues_attempt": "1", "ended_attempt": "r1#1",
+        "termination_reason": "preempted", "rule": "preempted_resume", "user": "ana",
+        "trainer_config": {"from": "run_config", "dagster_run_id": "d1"},
+    }  # fmt: skip
+    assert contradicted_tags(second, "r1", 2) is None
+    assert trainer_source_words(second, ()).startswith(
+        "launched by in_run:d1 with the resources.trainer run config of Dagster run d1"
+    )
+    # Nobody launches "in_run" by tag: a run tagged so was launched by hand.
+    assert launched_by({"tracks/launched_by": "in_run:d9"})["via"] == "ui"
+
+
+def _ended_attempt(ledger: Ledger, run_id: str, dagster_run_id: str) -> None:
+    ledger.create_run(
+        run_id=run_id, model_family="digits-cnn", owner="t", purpose="baseline",
+        config_sha256="c" * 64, snapshot_id=SNAPSHOT,
+    )  # fmt: skip
+    ledger.begin_attempt(
+        run_id,
+        AttemptStart(
+            config_snapshot={"max_steps": 10}, config_sha256="c" * 64,
+            data_manifest_sha256="d" * 64, container_digest="env", placement={},
+            dagster_run_id=dagster_run_id,
+        ),
+    )  # fmt: skip
+    ended = ledger.end_attempt(
+        run_id, 1, termination_reason=TerminationReason.PREEMPTED, termination_detail="test"
+    )
+    decision = decide(policy_for_run(ledger.get_run(run_id)), ledger.attempts(run_id), ended)
+    record_decision(ledger, ended, decision)
+    assert ledger.get_run(run_id).status == RunStatus.RUNNING
+
+
+def _tick(
+    ledger: Ledger, root: Path, runs: Sequence[dg.DagsterRun], logged: list[str]
+) -> dg.SensorResult | dg.SkipReason:
+    import logging
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    storage = StorageResource(
+        landing_root=str(root / "landing"), snapshot_root=str(root / "snapshots"),
+        checkpoint_root=str(root / "checkpoints"), work_root=str(root / "work"),
+    )  # fmt: skip
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("snapshots", [SNAPSHOT])
+        for run in runs:
+            instance.add_run(run)
+        with dg.build_sensor_context(
+            instance=instance,
+            resources={"ledger": LedgerResource(url=ledger.url), "storage": storage},
+        ) as context:
+            lines = Lines()
+            context.log.addHandler(lines)
+            try:
+                return resume_after_preemption(context)
+            finally:
+                context.log.removeHandler(lines)
+
+
+def _hosting(status: dg.DagsterRunStatus, run_config: dict[str, Any] | None = None) -> Any:
+    return dg.DagsterRun(
+        job_name="__ASSET_JOB", run_id="dr-host", status=status, run_config=run_config or {}
+    )
+
+
+def test_the_sensor_leaves_a_continuation_to_the_dagster_run_still_running_it(
+    tmp_path: Path,
+) -> None:
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    _ended_attempt(ledger, "r1", "dr-host")
+    for status in (dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING):
+        logged: list[str] = []
+        result = _tick(ledger, tmp_path, [_hosting(status)], logged)
+        assert isinstance(result, dg.SkipReason), result
+        assert any(
+            line.startswith("r1:attempt-2: not launched: Dagster run dr-host, which ran attempt "
+                            f"r1#1, is still {status.value}")
+            for line in logged
+        ), logged  # fmt: skip
+    # Once that run has ended (its step failed, or it did not continue in place): launched,
+    # with the launch's continue_in_run carried over.
+    off = {"ops": {"training_attempt": {"config": {"continue_in_run": False}}}}
+    result = _tick(ledger, tmp_path, [_hosting(dg.DagsterRunStatus.FAILURE, off)], [])
+    assert isinstance(result, dg.SensorResult)
+    [request] = result.run_requests
+    assert request.run_key == "r1:attempt-2"
+    assert request.run_config["ops"]["training_attempt"]["config"] == {
+        "run_id": "r1",
+        "continue_in_run": False,
+    }
+
+
+def test_a_dagster_run_unfinished_long_after_its_attempt_ended_no_longer_holds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its run worker died with the node and nothing marked the run failed: the sensor goes on
+    (fencing makes a late second attempt lose)."""
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    _ended_attempt(ledger, "r1", "dr-host")
+    ended_at = ledger.get_attempt("r1", 1).ended_at
+    assert ended_at is not None and ended_at <= datetime.now(UTC)
+    monkeypatch.setattr("pipeline.continuation.IN_RUN_CLAIM_SECONDS", 0.0)
+    logged: list[str] = []
+    result = _tick(ledger, tmp_path, [_hosting(dg.DagsterRunStatus.STARTED)], logged)
+    assert isinstance(result, dg.SensorResult), logged
+    assert [r.run_key for r in result.run_requests] == ["r1:attempt-2"]
+    assert any("still STARTED" in line and "launching the continuation" in line for line in logged)
