@@ -93,31 +93,36 @@ def snapshot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_snapshot(root / "landing", root / "snapshots").path
 
 
-# Wall seconds of the longest tests, measured under load (2 cores, 3 workers, 2026-11-27),
+# Wall seconds of the longest tests, measured under load (2 cores, 3 workers, 2026-11-27 evening),
 # by test function (every parametrization alike; each name is unique in tests/). Only the
 # schedule reads them: a stale figure costs balance, never a result. The slow-marked tests not
 # listed mostly share a module fixture that does the work once (test_asset_metadata_tables:
 # 59 s in its first test, 13 s in the other ten, load 3.3): a file of them counts 60 s and 5 s
 # for each more; any other test 1 s.
 LONG_TESTS: dict[str, float] = {
-    "test_thirty_sigterms_at_random_moments_each_end_in_one_preemption_checkpoint": 739,
-    "test_an_incident_at_two_ranks_is_told_as_it_happened": 498,
-    "test_the_ui_path_in_a_real_browser": 400,
-    "test_kill_one_rank_at_random_moments_then_sigterm_all": 328,
-    "test_sensor_resumes_a_killed_trainer_to_the_uninterrupted_result": 200,
-    "test_scripted_scenario_leaves_a_ledger_that_explain_tells_completely": 196,
-    "test_a_password_in_the_ledger_url_is_found_nowhere": 189,
-    "test_a_run_preempted_twice_has_one_value_per_step_in_one_live_mlflow_run": 161,
-    "test_new_landing_file_trains_and_a_drifted_one_stops_at_its_check": 155,
-    "test_reshard_two_ranks_to_one_and_one_to_two": 150,
-    "test_ten_restarts_lose_nothing_and_every_attempt_tells_the_truth": 127,
-    "test_materialize_button_runs_the_whole_graph_in_dagster_dev": 121,
-    "test_a_self_owned_trainer_with_nothing_left_to_train_records_its_attempt": 112,
-    "test_an_orchestrated_attempt_with_nothing_left_to_train_says_so_on_its_receipt": 99,
-    "test_whole_path_promotes_a_champion_whose_tags_lead_back": 90,
-    "test_evaluator_crash_retries_the_evaluator_not_the_training": 94,
+    "test_an_incident_at_two_ranks_is_told_as_it_happened": 266,
+    "test_kill_one_rank_at_random_moments_then_sigterm_all": 250,
+    "test_the_ui_path_in_a_real_browser": 152,
+    "test_thirty_sigterms_at_random_moments_each_end_in_one_preemption_checkpoint": 130,
+    "test_sensor_resumes_a_killed_trainer_to_the_uninterrupted_result": 110,
+    "test_a_sigkilled_trainer_is_continued_in_the_same_dagster_run_to_the_uninterrupted_result": 90,
+    "test_ten_restarts_lose_nothing_and_every_attempt_tells_the_truth": 92,
+    "test_new_landing_file_trains_and_a_drifted_one_stops_at_its_check": 70,
+    "test_a_password_in_the_ledger_url_is_found_nowhere": 70,
+    "test_materialize_button_runs_the_whole_graph_in_dagster_dev": 70,
+    "test_scripted_scenario_leaves_a_ledger_that_explain_tells_completely": 69,
+    "test_a_run_preempted_twice_has_one_value_per_step_in_one_live_mlflow_run": 67,
+    "test_reshard_two_ranks_to_one_and_one_to_two": 52,
+    "test_an_orchestrated_attempt_with_nothing_left_to_train_says_so_on_its_receipt": 44,
+    "test_a_self_owned_trainer_with_nothing_left_to_train_records_its_attempt": 41,
+    "test_whole_path_promotes_a_champion_whose_tags_lead_back": 24,
+    "test_evaluator_crash_retries_the_evaluator_not_the_training": 20,
 }
 SLOW_FILE_S, SLOW_MORE_S, OTHER_S = 60.0, 5.0, 1.0
+# Files whose listed tests are scheduled one by one, each to its own share, rather than with
+# the rest of their file: their module fixtures are cheap (a snapshot made in a second), and
+# their long tests are chunks of one drill meant to run side by side.
+SPREAD_FILES = frozenset({"test_stop_drill.py"})
 
 
 def _listed(item: pytest.Item) -> float:
@@ -159,12 +164,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     module fixtures start once) go longest first to the share with the least work so far, each
     share opening with them; the short tests fill each share to its size. Sorting the long
     tests to the front of the whole collection (as before) put every one of them in the first
-    worker's share, one after another, while the others ran the short tests.
+    worker's share, one after another, while the others ran the short tests. The long tests of
+    a file in ``SPREAD_FILES`` are placed one by one, as if each were a file.
     """
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    by_file: dict[Path, list[pytest.Item]] = {}
+    by_file: dict[Path | str, list[pytest.Item]] = {}
     for item in items:
-        by_file.setdefault(item.path, []).append(item)
+        if item.path.name in SPREAD_FILES and _listed(item):
+            by_file[item.nodeid] = [item]  # a group of its own
+        else:
+            by_file.setdefault(item.path, []).append(item)
     estimates = {path: _file_estimate(tests) for path, tests in by_file.items()}
     long_files = sorted((p for p, e in estimates.items() if e), key=lambda p: -estimates[p])
     shares: list[list[pytest.Item]] = [[] for _ in range(workers)]

@@ -39,6 +39,11 @@ from tests.distributed_support import (
 
 MAX_STEPS = 100_000  # never reached: every attempt here ends in a stop
 SIGTERMS = 30
+# The 30 are landed on three runs of 10, side by side on the suite's workers: one run of 30
+# attempts one after another was the suite's longest test (6-10 minutes). Each chunk has its
+# own seed; with these, 24 of the 30 moments fall while training, 12 with the agreement held.
+CHUNKS = 3
+PER_CHUNK = SIGTERMS // CHUNKS
 TARGETS = ("all ranks", "one rank", "the launcher")
 START_UP = "during start-up"  # how a rank's sentence says it stopped before training a step
 
@@ -294,20 +299,21 @@ def _check_stop(
     return "training"
 
 
+@pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_thirty_sigterms_at_random_moments_each_end_in_one_preemption_checkpoint(
-    config: Path, tmp_path: Path
+    config: Path, tmp_path: Path, chunk: int
 ) -> None:
-    """One long run, 30 attempts, each stopped by one SIGTERM (to every rank, to one rank, or
-    to the launcher, in turn) at a seeded random moment: during start-up, or while training
-    (every other attempt with rank 1 lingering in each stop agreement, so that a signal most
-    likely lands inside it; the first test lands one there for sure). Each attempt resumes
-    from the checkpoint the one before committed."""
-    rng = random.Random(7)
-    store, run_id = tmp_path / "store", "drill"
+    """Three long runs of 10 attempts (30 in all), each attempt stopped by one SIGTERM (to
+    every rank, to one rank, or to the launcher, in turn) at a seeded random moment: during
+    start-up, or while training (every other attempt with rank 1 lingering in each stop
+    agreement, so that a signal most likely lands inside it; the first test lands one there
+    for sure). Each attempt resumes from the checkpoint the one before committed."""
+    rng = random.Random(21 + chunk)
+    store, run_id = tmp_path / "store", f"drill-{chunk}"
     run_dir = store / run_id
     landed: Counter[str] = Counter()
     began = time.monotonic()
-    for n in range(SIGTERMS):
+    for n in range(chunk * PER_CHUNK, (chunk + 1) * PER_CHUNK):
         target = TARGETS[n % len(TARGETS)]
         held = n % 2 == 1  # rank 0 then spends nearly all its time waiting in the agreement
         env = {FAULT_SLEEP_BEFORE_AGREEMENT: "0.15@@1"} if held else {}
@@ -334,6 +340,7 @@ def test_thirty_sigterms_at_random_moments_each_end_in_one_preemption_checkpoint
             resumed = started[0]["resumed_from"]
             assert (Path(resumed).name if resumed else None) == (before[1] if before else None)
     took = time.monotonic() - began
-    print(f"stop drill: {SIGTERMS} SIGTERMs in {took:.0f} s, landed {dict(landed)}")
-    assert landed["training"] + landed["training, agreement held open"] >= SIGTERMS // 2
-    assert landed["training, agreement held open"] >= 5
+    print(f"stop drill {chunk}: {PER_CHUNK} SIGTERMs in {took:.0f} s, landed {dict(landed)}")
+    # Half of them while training, two or more inside a held agreement: 15 and 6 of the 30.
+    assert landed["training"] + landed["training, agreement held open"] >= PER_CHUNK // 2
+    assert landed["training, agreement held open"] >= 2
