@@ -15,6 +15,7 @@ import yaml
 
 from pipeline.checkpoint import is_committed
 from pipeline.checkpoint.layout import MODEL_FILE
+from pipeline.digests import sha256_json
 from pipeline.ledger import AttemptRecord, Ledger
 from tests.dagster_dev import REPO_ROOT, DagsterDev, launch_graph, trainer_pids, wait_for
 
@@ -53,7 +54,21 @@ def start_and_wait_for_commit(server: DagsterDev, home: Path, snapshot: str, con
     return wait_for(committed_run, 180, "a committed checkpoint at step 200")
 
 
+# The reference weights by the digest of the config that trained them: the trainer is
+# deterministic, so the drills that train one config (killed in different ways) share one run.
+_REFERENCES: dict[str, bytes] = {}
+
+
 def uninterrupted_final_weights(attempt: AttemptRecord, tmp_path: Path) -> bytes:
+    """The final model.safetensors of ``attempt``'s config trained by one uninterrupted
+    trainer process (a fresh interpreter, no fault hooks)."""
+    key = sha256_json(attempt.config_snapshot)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _train_uninterrupted(attempt, tmp_path)
+    return _REFERENCES[key]
+
+
+def _train_uninterrupted(attempt: AttemptRecord, tmp_path: Path) -> bytes:
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(attempt.config_snapshot))
     store = tmp_path / "reference"

@@ -30,6 +30,9 @@ from tests.drill_support import (
 
 pytestmark = pytest.mark.slow
 
+# One seed for the three runs killed and continued (by the sensor after SIGKILL or SIGTERM, in
+# place after SIGKILL): each must end with the weights of one uninterrupted run, trained once.
+SEED = 5
 RUNS_WITH_TAG = """
 query($key: String!, $value: String!) {
   runsOrError(filter: {tags: [{key: $key, value: $value}]}) {
@@ -57,7 +60,7 @@ def test_sensor_resumes_a_killed_trainer_to_the_uninterrupted_result(
     # The resume sensor's continuation is the point: no continuing in place (see
     # test_a_sigkilled_trainer_is_continued_in_the_same_dagster_run_… for that).
     run_id = start_and_wait_for_commit(
-        server, home, snapshot, {"train": {"seed": int(kill_signal)}, "continue_in_run": False}
+        server, home, snapshot, {"train": {"seed": SEED}, "continue_in_run": False}
     )
     for pid in trainer_pids(run_id):
         os.kill(pid, kill_signal)
@@ -117,7 +120,7 @@ def test_a_sigkilled_trainer_is_continued_in_the_same_dagster_run_to_the_uninter
 ) -> None:
     server, home, snapshot = live
     ledger = drill_ledger(home)
-    run_id = start_and_wait_for_commit(server, home, snapshot, {"train": {"seed": 5}})
+    run_id = start_and_wait_for_commit(server, home, snapshot, {"train": {"seed": SEED}})
     [first_open] = ledger.attempts(run_id)
     dagster_run = first_open.dagster_run_id
     assert dagster_run is not None
