@@ -36,7 +36,7 @@ lint: install
 # Three workers on two cores, slow tests first (tests/conftest.py): the slow tests spend much
 # of their time waiting on processes they started, so two workers left a third of the CPU idle.
 test: lint browser
-	$(BIN)/pytest -n 5 --dist worksteal --durations=25
+	$(BIN)/pytest -n 4 --dist worksteal --durations=25
 
 # The browser test drives Debian's chromium (Playwright's own download is not reachable here).
 browser:
