@@ -9,7 +9,6 @@ the same ``dagster dev`` as the sensor's cases.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,10 +25,7 @@ from pipeline.launch_facts import contradicted_tags, trainer_source_words
 from pipeline.ledger import AttemptStart, Ledger
 from pipeline.retry import RetryAction, RetryDecision, decide, policy_for_run, record_decision
 from pipeline.states import RunStatus, TerminationReason
-from resources import LedgerResource, StorageResource
-from sensors.resume import resume_after_preemption
-
-SNAPSHOT = "digits-00000000000000aa"
+from tests.sensor_support import SNAPSHOT, resume_tick
 
 
 def _decision(action: RetryAction, backoff: float) -> RetryDecision:
@@ -87,35 +83,6 @@ def _ended_attempt(ledger: Ledger, run_id: str, dagster_run_id: str) -> None:
     assert ledger.get_run(run_id).status == RunStatus.RUNNING
 
 
-def _tick(
-    ledger: Ledger, root: Path, runs: Sequence[dg.DagsterRun], logged: list[str]
-) -> dg.SensorResult | dg.SkipReason:
-    import logging
-
-    class Lines(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            logged.append(record.getMessage())
-
-    storage = StorageResource(
-        landing_root=str(root / "landing"), snapshot_root=str(root / "snapshots"),
-        checkpoint_root=str(root / "checkpoints"), work_root=str(root / "work"),
-    )  # fmt: skip
-    with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions("snapshots", [SNAPSHOT])
-        for run in runs:
-            instance.add_run(run)
-        with dg.build_sensor_context(
-            instance=instance,
-            resources={"ledger": LedgerResource(url=ledger.url), "storage": storage},
-        ) as context:
-            lines = Lines()
-            context.log.addHandler(lines)
-            try:
-                return resume_after_preemption(context)
-            finally:
-                context.log.removeHandler(lines)
-
-
 def _hosting(status: dg.DagsterRunStatus, run_config: dict[str, Any] | None = None) -> Any:
     return dg.DagsterRun(
         job_name="__ASSET_JOB", run_id="dr-host", status=status, run_config=run_config or {}
@@ -129,7 +96,7 @@ def test_the_sensor_leaves_a_continuation_to_the_dagster_run_still_running_it(
     _ended_attempt(ledger, "r1", "dr-host")
     for status in (dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING):
         logged: list[str] = []
-        result = _tick(ledger, tmp_path, [_hosting(status)], logged)
+        result = resume_tick(ledger, root=tmp_path, dagster_runs=[_hosting(status)], logged=logged)
         assert isinstance(result, dg.SkipReason), result
         assert any(
             line.startswith("r1:attempt-2: not launched: Dagster run dr-host, which ran attempt "
@@ -139,7 +106,9 @@ def test_the_sensor_leaves_a_continuation_to_the_dagster_run_still_running_it(
     # Once that run has ended (its step failed, or it did not continue in place): launched,
     # with the launch's continue_in_run carried over.
     off = {"ops": {"training_attempt": {"config": {"continue_in_run": False}}}}
-    result = _tick(ledger, tmp_path, [_hosting(dg.DagsterRunStatus.FAILURE, off)], [])
+    result = resume_tick(
+        ledger, root=tmp_path, dagster_runs=[_hosting(dg.DagsterRunStatus.FAILURE, off)], logged=[]
+    )
     assert isinstance(result, dg.SensorResult)
     [request] = result.run_requests
     assert request.run_key == "r1:attempt-2"
@@ -160,7 +129,9 @@ def test_a_dagster_run_unfinished_long_after_its_attempt_ended_no_longer_holds_i
     assert ended_at is not None and ended_at <= datetime.now(UTC)
     monkeypatch.setattr("pipeline.continuation.IN_RUN_CLAIM_SECONDS", 0.0)
     logged: list[str] = []
-    result = _tick(ledger, tmp_path, [_hosting(dg.DagsterRunStatus.STARTED)], logged)
+    result = resume_tick(
+        ledger, root=tmp_path, dagster_runs=[_hosting(dg.DagsterRunStatus.STARTED)], logged=logged
+    )
     assert isinstance(result, dg.SensorResult), logged
     assert [r.run_key for r in result.run_requests] == ["r1:attempt-2"]
     assert any("still STARTED" in line and "launching the continuation" in line for line in logged)

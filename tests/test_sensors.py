@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -22,11 +20,11 @@ from pipeline.ledger import AttemptStart, Ledger
 from pipeline.retry import RetryPolicy, decide, policy_for_run, record_decision
 from pipeline.settings import TracksSettings
 from pipeline.states import RunStatus, TerminationReason
-from resources import LedgerResource, StorageResource
+from resources import StorageResource
 from sensors import snapshots
-from sensors.resume import resume_after_preemption
 from sensors.schedules import newest_checked_snapshots, nightly_retrain
 from sensors.snapshots import new_snapshot
+from tests.sensor_support import SNAPSHOT, resume_tick
 
 
 @pytest.fixture
@@ -117,58 +115,10 @@ def _ended_attempt(
         ledger.set_run_status(run_id, RunStatus.FAILED)
 
 
-SNAPSHOT = "digits-00000000000000aa"
-
-
-class _Lines(logging.Handler):
-    """The messages a sensor logged, to check what it said about a run it did not launch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def _resume_tick(
-    ledger: Ledger,
-    *,
-    partitions: tuple[str, ...] = (SNAPSHOT,),
-    root: Path | None = None,
-    dagster_runs: Sequence[dg.DagsterRun] = (),
-    logged: list[str] | None = None,
-) -> dg.SensorResult | dg.SkipReason:
-    root = root or Path(ledger.url.removeprefix("sqlite:///")).parent / "tracks"
-    storage = StorageResource(
-        landing_root=str(root / "landing"), snapshot_root=str(root / "snapshots"),
-        checkpoint_root=str(root / "checkpoints"), work_root=str(root / "work"),
-    )  # fmt: skip
-    with dg.instance_for_test() as instance:
-        # Runs launched through Dagster train on a snapshot that is a partition already.
-        instance.add_dynamic_partitions("snapshots", list(partitions))
-        for run in dagster_runs:  # the Dagster runs that ran earlier attempts
-            instance.add_run(run)
-        # Entered and left inside the instance's block: a context left to the garbage collector
-        # exits the instance late and puts its state storage back for whichever test runs next.
-        with dg.build_sensor_context(
-            instance=instance,
-            resources={"ledger": LedgerResource(url=ledger.url), "storage": storage},
-        ) as context:
-            lines = _Lines()
-            context.log.addHandler(lines)
-            try:
-                return resume_after_preemption(context)
-            finally:
-                context.log.removeHandler(lines)
-                if logged is not None:
-                    logged.extend(lines.lines)
-
-
 def test_preempted_attempt_is_resumed_once_with_the_same_run(tmp_path: Path) -> None:
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
     _ended_attempt(ledger, TerminationReason.PREEMPTED)
-    result = _resume_tick(ledger)
+    result = resume_tick(ledger)
     assert isinstance(result, dg.SensorResult)
     [request] = result.run_requests
     assert request.run_key == "r1:attempt-2"
@@ -176,7 +126,7 @@ def test_preempted_attempt_is_resumed_once_with_the_same_run(tmp_path: Path) -> 
     assert request.run_config["ops"]["training_attempt"]["config"] == {"run_id": "r1"}
     assert request.tags["tracks/decision"] == "resume"
     # The run key is stable across ticks: Dagster launches it once.
-    [again] = _resume_tick(ledger).run_requests  # type: ignore[union-attr]
+    [again] = resume_tick(ledger).run_requests  # type: ignore[union-attr]
     assert again.run_key == request.run_key
 
 
@@ -184,7 +134,7 @@ def test_no_resume_when_the_budget_is_zero_and_the_attempt_says_why(tmp_path: Pa
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
     policy = RetryPolicy.from_json({"preempted": {"max_attempts": 0}})
     _ended_attempt(ledger, TerminationReason.PREEMPTED, policy=policy)
-    assert isinstance(_resume_tick(ledger), dg.SkipReason)
+    assert isinstance(resume_tick(ledger), dg.SkipReason)
     attempt = ledger.get_attempt("r1", 1)
     assert attempt.retry_decision["action"] == "stop"
     assert "budget" in attempt.retry_decision["reason"]
@@ -198,7 +148,7 @@ def test_no_resume_when_the_budget_is_zero_and_the_attempt_says_why(tmp_path: Pa
 def test_stopping_reasons_are_never_resumed(tmp_path: Path, reason: TerminationReason) -> None:
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
     _ended_attempt(ledger, reason)
-    assert isinstance(_resume_tick(ledger), dg.SkipReason)
+    assert isinstance(resume_tick(ledger), dg.SkipReason)
 
 
 def test_silent_attempt_is_closed_as_preempted_and_resumed(tmp_path: Path) -> None:
@@ -223,7 +173,7 @@ def test_silent_attempt_is_closed_as_preempted_and_resumed(tmp_path: Path) -> No
         conn.execute(
             sa.update(training_attempts).values(heartbeat_at=datetime.now(UTC) - timedelta(hours=1))
         )
-    result = _resume_tick(ledger)
+    result = resume_tick(ledger)
     attempt = ledger.get_attempt("r1", 1)
     assert attempt.termination_reason == "preempted"
     assert "heartbeat" in attempt.termination_detail
@@ -267,7 +217,7 @@ def test_silent_attempt_is_closed_with_the_reason_its_last_words_give(tmp_path: 
         "exception_type": "OperationalError", "exception_module": "sqlalchemy.exc",
         "exception_message": "the database system is shutting down",
     }))  # fmt: skip
-    _resume_tick(ledger)
+    resume_tick(ledger)
     attempt = ledger.get_attempt("r1", 1)
     assert attempt.termination_reason == "infra_transient", attempt.termination_detail
     assert attempt.last_step == 140
@@ -298,7 +248,7 @@ def test_one_bad_continuation_does_not_hold_up_the_others(tmp_path: Path) -> Non
                 .where(training_runs.c.run_id == run_id)
                 .values(snapshot_id=snapshot)
             )
-    result = _resume_tick(ledger, root=root)
+    result = resume_tick(ledger, root=root)
     assert isinstance(result, dg.SensorResult)
     assert sorted(r.run_key for r in result.run_requests) == [
         "dagster:attempt-2",
@@ -392,7 +342,7 @@ def test_a_continuation_runs_on_the_trainer_its_dagster_run_had_or_is_refused(
         dagster_run_id="dr-local",
     )  # fmt: skip
     logged: list[str] = []
-    result = _resume_tick(ledger, dagster_runs=runs, logged=logged)
+    result = resume_tick(ledger, dagster_runs=runs, logged=logged)
     assert isinstance(result, dg.SensorResult)
     requests = {r.run_key: r.run_config.get("resources") for r in result.run_requests}
     assert requests == {
@@ -439,7 +389,7 @@ def test_a_decision_whose_wait_is_no_time_is_skipped_and_the_others_resume(
     assert all("retry decision stored on attempt" in why for _, why in skipped)
 
     logged: list[str] = []
-    result = _resume_tick(ledger, logged=logged)
+    result = resume_tick(ledger, logged=logged)
     assert isinstance(result, dg.SensorResult)
     assert [r.run_key for r in result.run_requests] == ["healthy:attempt-2"]
     assert any(line.startswith("nan-wait:attempt-2: not launched: ") for line in logged), logged
@@ -461,7 +411,7 @@ def test_a_silent_attempt_of_a_run_whose_stored_policy_does_not_load_stops_alone
             .where(training_runs.c.run_id == "legacy")
             .values(retry_policy={"preempted": {"backoff": {"initial_seconds": 1e12}}})
         )
-    result = _resume_tick(ledger)
+    result = resume_tick(ledger)
     assert isinstance(result, dg.SensorResult)
     assert [r.run_key for r in result.run_requests] == ["fine:attempt-2"]
     decision = ledger.get_attempt("legacy", 1).retry_decision
@@ -482,7 +432,7 @@ def test_an_error_that_stops_a_continuation_is_logged_without_secrets(
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
     _ended_attempt(ledger, TerminationReason.PREEMPTED)
     logged: list[str] = []
-    assert isinstance(_resume_tick(ledger, logged=logged), dg.SkipReason)
+    assert isinstance(resume_tick(ledger, logged=logged), dg.SkipReason)
     [line] = [line for line in logged if "r1:attempt-2: not launched" in line]
     assert "hunter2" not in line and "db.internal/dagster is unreachable" in line
 
@@ -506,13 +456,13 @@ def test_only_the_sensors_own_runs_use_up_a_continuations_relaunches(tmp_path: P
         )  # fmt: skip
 
     by_hand = [died(n, by_sensor=False) for n in range(5)]
-    [request] = _resume_tick(ledger, dagster_runs=by_hand).run_requests  # type: ignore[union-attr]
+    [request] = resume_tick(ledger, dagster_runs=by_hand).run_requests  # type: ignore[union-attr]
     assert request.run_key == key
     once = [died(0, by_sensor=True)]
-    [request] = _resume_tick(ledger, dagster_runs=by_hand + once).run_requests  # type: ignore[union-attr]
+    [request] = resume_tick(ledger, dagster_runs=by_hand + once).run_requests  # type: ignore[union-attr]
     assert request.run_key == f"{key}#relaunch-1"
     spent = [died(n, by_sensor=True) for n in range(MAX_RELAUNCHES)]
-    assert isinstance(_resume_tick(ledger, dagster_runs=spent), dg.SkipReason)
+    assert isinstance(resume_tick(ledger, dagster_runs=spent), dg.SkipReason)
 
 
 _DEFAULT_STATUSES = """
