@@ -1,14 +1,18 @@
-"""Evaluating the resume sensor once, as Dagster's daemon would, against a real ledger."""
+"""Evaluating the resume sensor once, as Dagster's daemon would, against a real ledger; and the
+ended attempt it is evaluated on."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
-from pipeline.ledger import Ledger
+from pipeline.ledger import AttemptStart, Ledger
+from pipeline.retry import RetryPolicy, decide, policy_for_run, record_decision
+from pipeline.states import RunStatus, TerminationReason
 from resources import LedgerResource, StorageResource
 from sensors.resume import resume_after_preemption
 
@@ -58,3 +62,35 @@ def resume_tick(
                 context.log.removeHandler(lines)
                 if logged is not None:
                     logged.extend(lines.lines)
+
+
+def ended_attempt(
+    ledger: Ledger,
+    reason: TerminationReason,
+    *,
+    policy: RetryPolicy | None = None,
+    run_id: str = "r1",
+    placement: dict[str, Any] | None = None,
+    dagster_run_id: str | None = None,
+) -> None:
+    """Run ``run_id`` on the digits partition, its attempt 1 ended with ``reason`` and the retry
+    policy's decision recorded on it (the run failed where the decision stops it)."""
+    ledger.create_run(
+        run_id=run_id, model_family="digits-cnn", owner="t", purpose="baseline",
+        config_sha256="c" * 64, snapshot_id=SNAPSHOT,
+        retry_policy=(policy or RetryPolicy()).to_json(),
+    )  # fmt: skip
+    ledger.begin_attempt(
+        run_id,
+        AttemptStart(
+            config_snapshot={"max_steps": 10}, config_sha256="c" * 64,
+            data_manifest_sha256="d" * 64, container_digest="env", placement=placement or {},
+            dagster_run_id=dagster_run_id,
+        ),
+    )  # fmt: skip
+    ended = ledger.end_attempt(run_id, 1, termination_reason=reason, termination_detail="test")
+    run = ledger.get_run(run_id)
+    decision = decide(policy_for_run(run), ledger.attempts(run_id), ended)
+    record_decision(ledger, ended, decision)
+    if not decision.continues:
+        ledger.set_run_status(run_id, RunStatus.FAILED)

@@ -22,10 +22,10 @@ from pipeline.continuation import (
     continues_in_run,
 )
 from pipeline.launch_facts import contradicted_tags, trainer_source_words
-from pipeline.ledger import AttemptStart, Ledger
-from pipeline.retry import RetryAction, RetryDecision, decide, policy_for_run, record_decision
+from pipeline.ledger import Ledger
+from pipeline.retry import RetryAction, RetryDecision
 from pipeline.states import RunStatus, TerminationReason
-from tests.sensor_support import SNAPSHOT, resume_tick
+from tests.sensor_support import ended_attempt, resume_tick
 
 
 def _decision(action: RetryAction, backoff: float) -> RetryDecision:
@@ -62,27 +62,6 @@ def test_an_in_place_attempt_names_its_dagster_run_and_the_attempt_it_continues(
     assert launched_by({"tracks/launched_by": "in_run:d9"})["via"] == "ui"
 
 
-def _ended_attempt(ledger: Ledger, run_id: str, dagster_run_id: str) -> None:
-    ledger.create_run(
-        run_id=run_id, model_family="digits-cnn", owner="t", purpose="baseline",
-        config_sha256="c" * 64, snapshot_id=SNAPSHOT,
-    )  # fmt: skip
-    ledger.begin_attempt(
-        run_id,
-        AttemptStart(
-            config_snapshot={"max_steps": 10}, config_sha256="c" * 64,
-            data_manifest_sha256="d" * 64, container_digest="env", placement={},
-            dagster_run_id=dagster_run_id,
-        ),
-    )  # fmt: skip
-    ended = ledger.end_attempt(
-        run_id, 1, termination_reason=TerminationReason.PREEMPTED, termination_detail="test"
-    )
-    decision = decide(policy_for_run(ledger.get_run(run_id)), ledger.attempts(run_id), ended)
-    record_decision(ledger, ended, decision)
-    assert ledger.get_run(run_id).status == RunStatus.RUNNING
-
-
 def _hosting(status: dg.DagsterRunStatus, run_config: dict[str, Any] | None = None) -> Any:
     return dg.DagsterRun(
         job_name="__ASSET_JOB", run_id="dr-host", status=status, run_config=run_config or {}
@@ -93,7 +72,8 @@ def test_the_sensor_leaves_a_continuation_to_the_dagster_run_still_running_it(
     tmp_path: Path,
 ) -> None:
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
-    _ended_attempt(ledger, "r1", "dr-host")
+    ended_attempt(ledger, TerminationReason.PREEMPTED, dagster_run_id="dr-host")
+    assert ledger.get_run("r1").status == RunStatus.RUNNING
     for status in (dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING):
         logged: list[str] = []
         result = resume_tick(ledger, root=tmp_path, dagster_runs=[_hosting(status)], logged=logged)
@@ -124,7 +104,8 @@ def test_a_dagster_run_unfinished_long_after_its_attempt_ended_no_longer_holds_i
     """Its run worker died with the node and nothing marked the run failed: the sensor goes on
     (fencing makes a late second attempt lose)."""
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
-    _ended_attempt(ledger, "r1", "dr-host")
+    ended_attempt(ledger, TerminationReason.PREEMPTED, dagster_run_id="dr-host")
+    assert ledger.get_run("r1").status == RunStatus.RUNNING
     ended_at = ledger.get_attempt("r1", 1).ended_at
     assert ended_at is not None and ended_at <= datetime.now(UTC)
     monkeypatch.setattr("pipeline.continuation.IN_RUN_CLAIM_SECONDS", 0.0)

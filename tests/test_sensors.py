@@ -17,14 +17,14 @@ from definitions import _resources
 from pipeline.data.landing import Drift, write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
 from pipeline.ledger import AttemptStart, Ledger
-from pipeline.retry import RetryPolicy, decide, policy_for_run, record_decision
+from pipeline.retry import RetryPolicy
 from pipeline.settings import TracksSettings
 from pipeline.states import RunStatus, TerminationReason
 from resources import StorageResource
 from sensors import snapshots
 from sensors.schedules import newest_checked_snapshots, nightly_retrain
 from sensors.snapshots import new_snapshot
-from tests.sensor_support import SNAPSHOT, resume_tick
+from tests.sensor_support import SNAPSHOT, ended_attempt, resume_tick
 
 
 @pytest.fixture
@@ -85,39 +85,9 @@ def test_new_snapshot_waits_for_landing_files_to_settle(
     assert isinstance(result, dg.SkipReason) and "settle" in result.skip_message
 
 
-def _ended_attempt(
-    ledger: Ledger,
-    reason: TerminationReason,
-    *,
-    policy: RetryPolicy | None = None,
-    run_id: str = "r1",
-    placement: dict[str, Any] | None = None,
-    dagster_run_id: str | None = None,
-) -> None:
-    ledger.create_run(
-        run_id=run_id, model_family="digits-cnn", owner="t", purpose="baseline",
-        config_sha256="c" * 64, snapshot_id="digits-00000000000000aa",
-        retry_policy=(policy or RetryPolicy()).to_json(),
-    )  # fmt: skip
-    ledger.begin_attempt(
-        run_id,
-        AttemptStart(
-            config_snapshot={"max_steps": 10}, config_sha256="c" * 64,
-            data_manifest_sha256="d" * 64, container_digest="env", placement=placement or {},
-            dagster_run_id=dagster_run_id,
-        ),
-    )  # fmt: skip
-    ended = ledger.end_attempt(run_id, 1, termination_reason=reason, termination_detail="test")
-    run = ledger.get_run(run_id)
-    decision = decide(policy_for_run(run), ledger.attempts(run_id), ended)
-    record_decision(ledger, ended, decision)
-    if not decision.continues:
-        ledger.set_run_status(run_id, RunStatus.FAILED)
-
-
 def test_preempted_attempt_is_resumed_once_with_the_same_run(tmp_path: Path) -> None:
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
-    _ended_attempt(ledger, TerminationReason.PREEMPTED)
+    ended_attempt(ledger, TerminationReason.PREEMPTED)
     result = resume_tick(ledger)
     assert isinstance(result, dg.SensorResult)
     [request] = result.run_requests
@@ -133,7 +103,7 @@ def test_preempted_attempt_is_resumed_once_with_the_same_run(tmp_path: Path) -> 
 def test_no_resume_when_the_budget_is_zero_and_the_attempt_says_why(tmp_path: Path) -> None:
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
     policy = RetryPolicy.from_json({"preempted": {"max_attempts": 0}})
-    _ended_attempt(ledger, TerminationReason.PREEMPTED, policy=policy)
+    ended_attempt(ledger, TerminationReason.PREEMPTED, policy=policy)
     assert isinstance(resume_tick(ledger), dg.SkipReason)
     attempt = ledger.get_attempt("r1", 1)
     assert attempt.retry_decision["action"] == "stop"
@@ -147,7 +117,7 @@ def test_no_resume_when_the_budget_is_zero_and_the_attempt_says_why(tmp_path: Pa
 )
 def test_stopping_reasons_are_never_resumed(tmp_path: Path, reason: TerminationReason) -> None:
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
-    _ended_attempt(ledger, reason)
+    ended_attempt(ledger, reason)
     assert isinstance(resume_tick(ledger), dg.SkipReason)
 
 
@@ -231,9 +201,9 @@ def test_one_bad_continuation_does_not_hold_up_the_others(tmp_path: Path) -> Non
     root = tmp_path / "tracks"
     write_digits_landing(root / "landing")
     cli_snapshot = create_snapshot(root / "landing", root / "snapshots").snapshot_id
-    _ended_attempt(ledger, TerminationReason.PREEMPTED, run_id="from-cli")
-    _ended_attempt(ledger, TerminationReason.PREEMPTED, run_id="nowhere")
-    _ended_attempt(ledger, TerminationReason.PREEMPTED, run_id="dagster")
+    ended_attempt(ledger, TerminationReason.PREEMPTED, run_id="from-cli")
+    ended_attempt(ledger, TerminationReason.PREEMPTED, run_id="nowhere")
+    ended_attempt(ledger, TerminationReason.PREEMPTED, run_id="dagster")
     import sqlalchemy as sa
 
     from pipeline.ledger.schema import training_runs
@@ -334,10 +304,10 @@ def test_a_continuation_runs_on_the_trainer_its_dagster_run_had_or_is_refused(
         dg.DagsterRun(job_name="__ASSET_JOB", run_id="dr-local", run_config={}),
     ]  # fmt: skip
     P = TerminationReason.PREEMPTED
-    _ended_attempt(ledger, P, run_id="kube", placement=on_kube, dagster_run_id="dr-kube")
-    _ended_attempt(ledger, P, run_id="kube-lost", placement=on_kube, dagster_run_id="dr-gone")
-    _ended_attempt(ledger, P, run_id="two-nodes", placement={"nodes": 2, "ranks_per_node": 2})
-    _ended_attempt(
+    ended_attempt(ledger, P, run_id="kube", placement=on_kube, dagster_run_id="dr-kube")
+    ended_attempt(ledger, P, run_id="kube-lost", placement=on_kube, dagster_run_id="dr-gone")
+    ended_attempt(ledger, P, run_id="two-nodes", placement={"nodes": 2, "ranks_per_node": 2})
+    ended_attempt(
         ledger, P, run_id="local", placement={"nodes": 1, "ranks_per_node": 2},
         dagster_run_id="dr-local",
     )  # fmt: skip
@@ -374,7 +344,7 @@ def test_a_decision_whose_wait_is_no_time_is_skipped_and_the_others_resume(
 
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
     for run_id in ("healthy", "nan-wait", "huge-wait", "far-wait"):
-        _ended_attempt(ledger, TerminationReason.PREEMPTED, run_id=run_id)
+        ended_attempt(ledger, TerminationReason.PREEMPTED, run_id=run_id)
     _corrupt_backoff(ledger, "nan-wait", float("nan"))
     _corrupt_backoff(ledger, "huge-wait", 1e300)  # past timedelta
     _corrupt_backoff(ledger, "far-wait", 1e12)  # a timedelta, but past datetime.max
@@ -430,7 +400,7 @@ def test_an_error_that_stops_a_continuation_is_logged_without_secrets(
 
     monkeypatch.setattr(sensors.resume, "_run_key", unreachable)
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
-    _ended_attempt(ledger, TerminationReason.PREEMPTED)
+    ended_attempt(ledger, TerminationReason.PREEMPTED)
     logged: list[str] = []
     assert isinstance(resume_tick(ledger, logged=logged), dg.SkipReason)
     [line] = [line for line in logged if "r1:attempt-2: not launched" in line]
@@ -443,7 +413,7 @@ def test_only_the_sensors_own_runs_use_up_a_continuations_relaunches(tmp_path: P
     from sensors.resume import CONTINUATION_TAG, MAX_RELAUNCHES, SENSOR_NAME
 
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
-    _ended_attempt(ledger, TerminationReason.PREEMPTED)
+    ended_attempt(ledger, TerminationReason.PREEMPTED)
     key = "r1:attempt-2"
 
     def died(n: int, *, by_sensor: bool) -> dg.DagsterRun:
