@@ -355,10 +355,15 @@ def load_champion(
             )
         )
         paths = _verified_files(local / "artifacts", record, model_name, number)
-        from pipeline.serving.loading import checkpoint_family, load_model_from_files
+        from safetensors.torch import load_file
 
-        model = load_model_from_files(paths["weights"], paths["trainer_state"])
+        from pipeline.serving.loading import checkpoint_family, model_from_state
+
+        # The verified trainer state, read once: the model is built from it and it names the
+        # family (load_model_from_files would read it again).
         state = json.loads(Path(paths["trainer_state"]).read_text())
+        where = Path(paths["trainer_state"]).parent
+        model = model_from_state(state, load_file(str(paths["weights"])), where)
         family = checkpoint_family(state, paths["trainer_state"])
     return ServedModel(
         model_name=model_name,
