@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The checkpoint checks that need a GPU, in one run: the CUDA tests, a SIGKILL/resume drill
-# training on the GPU, and the GPU benchmark. CI has no GPU; run this where one is.
+# The checks that need a GPU, in one run: text-lm trained on the GPU (the demo config, a wider
+# model, and the demo config on the CPU beside them), SIGKILL/resume drills training each family
+# on the GPU, the CUDA tests, and the GPU checkpoint benchmark. CI has no GPU; run this where
+# one is. The steps run in that order, the newest code first, each under its own limit.
 #
 #   bash bench/gpu_checks.sh [OUTDIR]       # logs go to OUTDIR (default: $OUT or /tmp)
 #
@@ -39,9 +41,18 @@ step() {  # step NAME SECONDS COMMAND...: run it under a limit, log to OUTDIR/NA
     [ "$code" -eq 0 ] || status=1
 }
 
-step cuda_tests "${CUDA_TESTS_LIMIT:-150}" "$python" -m pytest -q -p no:cacheprovider \
+work=$(mktemp -d)
+step textlm_demo_cuda "${TEXTLM_LIMIT:-60}" "$python" bench/textlm_device.py --device cuda \
+    --workdir "$work/textlm"
+step textlm_wide_cuda "${TEXTLM_LIMIT:-60}" "$python" bench/textlm_device.py --device cuda \
+    --shape wide --max-steps "${WIDE_STEPS:-1000}" --workdir "$work/textlm"
+step textlm_demo_cpu "${TEXTLM_CPU_LIMIT:-40}" "$python" bench/textlm_device.py --device cpu \
+    --max-steps "${CPU_STEPS:-100}" --workdir "$work/textlm"
+step textlm_kill_drill "${DRILL_LIMIT:-110}" "$python" bench/kill_drill.py --device cuda \
+    --family text-lm --kills "${DRILL_KILLS:-20}" --seed 0
+step cuda_tests "${CUDA_TESTS_LIMIT:-60}" "$python" -m pytest -q -p no:cacheprovider \
     tests/test_checkpoint_cuda.py
-step kill_drill "${DRILL_LIMIT:-200}" "$python" bench/kill_drill.py --device cuda \
-    --kills "${DRILL_KILLS:-60}" --seed 0
-step gpu_bench "${BENCH_LIMIT:-240}" "$python" bench/checkpoint_gpu.py --repeats 5
+step kill_drill "${DRILL_LIMIT:-110}" "$python" bench/kill_drill.py --device cuda \
+    --kills "${DRILL_KILLS:-20}" --seed 0
+step gpu_bench "${BENCH_LIMIT:-110}" "$python" bench/checkpoint_gpu.py --repeats "${REPEATS:-3}"
 exit $status

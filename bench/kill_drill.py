@@ -85,6 +85,14 @@ DRILL_CONFIG: dict[str, Any] = {
     "async_save": True,
     "device": "cpu",
 }
+# text-lm in the drill (--family text-lm): one block of width 32 over 32-byte contexts, a few
+# milliseconds a step, dropout on (its RNG must resume too); batch_size splits over two ranks.
+TEXT_DRILL: dict[str, Any] = {
+    "model_family": "text-lm",
+    "batch_size": 16,
+    "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "dropout": 0.1},
+}
+FAMILIES = ("digits-cnn", "text-lm")
 MODES = {"random": 0.6, "startup": 0.1, "mid_file": 0.15, "before_commit": 0.15}
 HOOK_SECONDS = 20.0  # the hooked process waits this long for its SIGKILL
 MODEL_FILE = "model.safetensors"
@@ -266,6 +274,26 @@ def make_snapshot(root: Path) -> Path:
 
     write_digits_landing(root / "landing")
     return create_snapshot(root / "landing", root / "snapshots").path
+
+
+def make_text_snapshot(root: Path, *, train_documents: int = 24, eval_documents: int = 4) -> Path:
+    """A text-lm snapshot of the corpus's first documents of each split under ``root``, its
+    blocking checks passed and recorded (as the data_snapshot asset leaves it); its path.
+
+    Few documents: evaluating every checkpoint then takes milliseconds, not a second.
+    """
+    from pipeline.data.gate import ensure_checks_passed
+    from pipeline.data.snapshot import create_snapshot
+    from pipeline.textlm.corpus import build_documents
+    from pipeline.textlm.landing import write_text_landing
+
+    documents, _ = build_documents()
+    train = [d for d in documents if d.split == "train"][:train_documents]
+    held_out = [d for d in documents if d.split == "eval"][:eval_documents]
+    write_text_landing(root / "landing", documents=train + held_out)
+    snapshot = create_snapshot(root / "landing", root / "snapshots", family="text-lm")
+    ensure_checks_passed(snapshot, snapshot_root=snapshot.path.parent)
+    return snapshot.path
 
 
 def run_reference(config: Path, store: Path, run_id: str = "reference") -> Reference:
@@ -589,7 +617,8 @@ def summary_table(stats: DrillStats, *, seed: int, config: dict[str, Any]) -> st
     ]
     width = max(len(name) for name, _, _ in rows)
     lines = [
-        f"kill drill: seed {seed}, device {config['device']}, "
+        f"kill drill: seed {seed}, {config.get('model_family', 'digits-cnn')} on "
+        f"{config['device']}, "
         f"max_steps {config['max_steps']}, checkpoint every "
         f"{config['checkpoint_every_steps']} steps, async_save {config['async_save']}, "
         f"keep_last_k {config['keep_last_k']}",
@@ -626,6 +655,9 @@ def main(argv: list[str] | None = None) -> int:
         default=DRILL_CONFIG["device"],
         help="train on this device (cuda: resumes bit-exact on the same GPU)",
     )
+    parser.add_argument(
+        "--family", choices=FAMILIES, default="digits-cnn", help="the model family to train"
+    )
     args = parser.parse_args(argv)
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tracks-kill-drill-"))
@@ -634,10 +666,15 @@ def main(argv: list[str] | None = None) -> int:
         "max_steps": args.max_steps,
         "checkpoint_every_steps": args.checkpoint_every,
         "device": args.device,
+        **(TEXT_DRILL if args.family == "text-lm" else {}),
     }
     config_values = {**DRILL_CONFIG, **overrides}
-    print(f"kill drill in {workdir}: {args.kills} kills, seed {args.seed}", flush=True)
-    config = write_config(workdir, make_snapshot(workdir / "data"), **overrides)
+    print(
+        f"kill drill in {workdir}: {args.kills} kills, seed {args.seed}, {args.family}", flush=True
+    )
+    data = workdir / "data"
+    snapshot = make_text_snapshot(data) if args.family == "text-lm" else make_snapshot(data)
+    config = write_config(workdir, snapshot, **overrides)
     reference = run_reference(config, workdir / "reference")
     print(
         f"reference: {reference.max_steps} steps, {reference.train_seconds:.2f} s of training",

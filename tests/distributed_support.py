@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.kill_drill import make_snapshot
+from bench.kill_drill import TEXT_DRILL, make_snapshot, make_text_snapshot
 from bench.kill_drill import write_config as write_drill_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,13 +24,11 @@ def drill_config(
 ) -> Path:
     """A snapshot of ``family``'s data under ``workdir/data`` and the kill drill's trainer
     config on it in ``workdir/config``, checkpointing every ``interval`` steps; the config's
-    path. text-lm: the tiny model and batch of ``tests.trainer_support.TEXT_CONFIG``."""
+    path. text-lm: the kill drill's tiny model and batch (``TEXT_DRILL``)."""
     overrides: dict[str, Any] = {}
     if family == "text-lm":
-        from tests.trainer_support import TEXT_CONFIG, text_snapshot
-
-        snapshot = text_snapshot(workdir / "data")
-        overrides = {key: TEXT_CONFIG[key] for key in ("model_family", "model", "batch_size")}
+        snapshot = make_text_snapshot(workdir / "data")
+        overrides = TEXT_DRILL
     else:
         snapshot = make_snapshot(workdir / "data")
     return write_drill_config(

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from bench.kill_drill import TEXT_DRILL
+
 REPO = Path(__file__).resolve().parent.parent
 MAX_STEPS = 60
 CONFIG: dict[str, Any] = {
@@ -167,35 +169,8 @@ def train_in_process(
 
 # -- text-lm ----------------------------------------------------------------------------------
 
-# A tiny text-lm run: one block of width 32 over 32-byte contexts, a few milliseconds a step.
-# Dropout: the RNG must resume too. batch_size splits over two ranks.
-TEXT_CONFIG: dict[str, Any] = {
-    **CONFIG,
-    "model_family": "text-lm",
-    "batch_size": 16,
-    "learning_rate": 0.003,
-    "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32, "dropout": 0.1},
-}
-
-
-def text_snapshot(root: Path, *, train_documents: int = 24, eval_documents: int = 4) -> Path:
-    """A text-lm snapshot of the corpus's first documents of each split under ``root``, its
-    blocking checks passed and recorded (as the data_snapshot asset leaves it); its path.
-
-    Few documents: evaluating every checkpoint then takes milliseconds, not a second.
-    """
-    from pipeline.data.gate import ensure_checks_passed
-    from pipeline.data.snapshot import create_snapshot
-    from pipeline.textlm.corpus import build_documents
-    from pipeline.textlm.landing import write_text_landing
-
-    documents, _ = build_documents()
-    train = [d for d in documents if d.split == "train"][:train_documents]
-    held_out = [d for d in documents if d.split == "eval"][:eval_documents]
-    write_text_landing(root / "landing", documents=train + held_out)
-    snapshot = create_snapshot(root / "landing", root / "snapshots", family="text-lm")
-    ensure_checks_passed(snapshot, snapshot_root=snapshot.path.parent)
-    return snapshot.path
+# A tiny text-lm run: the kill drill's text-lm model and batch (bench/kill_drill.py).
+TEXT_CONFIG: dict[str, Any] = {**CONFIG, **TEXT_DRILL, "learning_rate": 0.003}
 
 
 def sigkill_then_resume_is_bit_exact(
