@@ -84,13 +84,19 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 @pytest.fixture(scope="session")
 def snapshot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A digits snapshot made once per session (read it, never change it: tests share it)."""
+    """A digits snapshot made once per session, its blocking checks passed and recorded as the
+    data_snapshot asset leaves it (read it, never change it: tests share it). Recorded here, not
+    by whichever trainer happens to run on it first: that one would pay for the checks (and
+    import great-expectations) in a test that measures something else."""
+    from pipeline.data.gate import ensure_checks_passed
     from pipeline.data.landing import write_digits_landing
     from pipeline.data.snapshot import create_snapshot
 
     root = tmp_path_factory.mktemp("digits")
     write_digits_landing(root / "landing")
-    return create_snapshot(root / "landing", root / "snapshots").path
+    snapshot = create_snapshot(root / "landing", root / "snapshots")
+    ensure_checks_passed(snapshot, snapshot_root=snapshot.path.parent)
+    return snapshot.path
 
 
 # Wall seconds of the longest tests, measured under load (2 cores, 3 workers, 2026-11-27 evening),

@@ -109,7 +109,7 @@ def rolled(snapshot_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Dril
 
     base = tmp_path_factory.mktemp("spikes")
     url = f"sqlite:///{base / 'ledger.db'}"
-    # The blocking checks' verdict (the session snapshot's file, from earlier trainer runs),
+    # The blocking checks' verdict (the session snapshot's file, recorded with it),
     # recorded in this ledger too: with a ledger, only the ledger's word counts.
     snapshot = open_snapshot(snapshot_dir)
     verdicts = recorded_verdict(snapshot, snapshot_root=snapshot.path.parent)
