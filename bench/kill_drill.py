@@ -100,7 +100,6 @@ MODEL_FILE = "model.safetensors"
 _ZYGOTE = r"""
 import json, os, sys, traceback
 import pipeline.trainer.train  # torch and numpy, imported once for every fork
-import torch._dynamo  # what torch.optim imports for its first parameter group (~2 s)
 import pipeline.data.dataset, pipeline.data.snapshot  # pandas and pyarrow
 from pipeline.trainer.__main__ import main
 

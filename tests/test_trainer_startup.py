@@ -154,6 +154,9 @@ def test_a_trainer_that_stops_before_its_first_step_has_no_total(
 # 2026-11-27: great_expectations, 7.9 s of a digits trainer's start-up under load), and the
 # drills launch hundreds of trainers.
 NEVER_AT_RUNTIME = tuple(sorted({*HEAVY, "scipy"} - {"pandas", "pyarrow"}))
+# torch's compiler: nothing in Tracks compiles, and importing TorchDynamo costs as much CPU as
+# importing torch (torch.optim's own classes import it on first use: pipeline/trainer/optimizers).
+NEVER_SUBMODULES = ("torch._dynamo", "torch._inductor")
 
 
 def test_a_trainer_run_loads_no_library_its_steps_do_not_use(
@@ -163,7 +166,8 @@ def test_a_trainer_run_loads_no_library_its_steps_do_not_use(
     probe = (
         "import atexit, json, runpy, sys\n"
         "atexit.register(lambda: print('LOADED ' + json.dumps(sorted("
-        f"{{m.split('.')[0] for m in sys.modules}} & set({NEVER_AT_RUNTIME!r})))))\n"
+        f"({{m.split('.')[0] for m in sys.modules}} & set({NEVER_AT_RUNTIME!r}))"
+        f" | (set(sys.modules) & set({NEVER_SUBMODULES!r}))))))\n"
         "sys.argv = ['pipeline.trainer', *sys.argv[1:]]\n"
         "runpy.run_module('pipeline.trainer', run_name='__main__', alter_sys=True)\n"
     )

@@ -18,8 +18,9 @@ start-up, and the receipt's ``timings.startup`` says where it went, in seconds:
 - ``total``: from the kernel starting the process to the end of the first step.
 
 The parts add up to less than ``total``: what is left has no key of its own: building the model
-and optimizer (torch's optimizer imports ``torch._dynamo`` when it is made: seconds of CPU),
-joining the other ranks beyond the data's load, events, the tracker's start.
+and optimizer (torch's own optimizers import ``torch._dynamo`` when they are made, seconds of
+CPU; Tracks' do not: ``pipeline/trainer/optimizers.py``), joining the other ranks beyond the
+data's load, events, the tracker's start.
 ``run_training`` called in-process (tests, notebooks) has no ``main()``: ``process_start`` and
 ``imports`` are left out, and ``total`` counts from ``run_training``. Where the process's start
 time cannot be read (no ``/proc``), ``process_start`` is left out and ``total`` counts from

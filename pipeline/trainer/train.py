@@ -371,13 +371,13 @@ class Trainer:
                 f"{cfg.batch_size} does not split evenly over {world.world_size} ranks",
             )
         # The data loads on a thread of its own while this rank waits for the other ranks to
-        # join. Only waits run beside it: the model's build imports seconds of torch (its
-        # optimizer pulls in torch._dynamo), and two threads importing at once only slow each
-        # other down (a GIL hand-off at every file the import machinery reads: measured
-        # 2026-11-27, a resume's first step took 24 s with the build beside the data load and
-        # 16 s after it, medians of 6 on a loaded 2-vCPU VM). Nor can the restore run beside
-        # it: it checks the checkpoint against the data's digest and restores the data cursor,
-        # whose size is the data's.
+        # join. Only waits run beside it: the model's build imports torch's modules, and two
+        # threads importing at once only slow each other down (a GIL hand-off at every file
+        # the import machinery reads: measured 2026-11-27, when the optimizer still imported
+        # torch._dynamo, a resume's first step took 24 s with the build beside the data load
+        # and 16 s after it, medians of 6 on a loaded 2-vCPU VM). Nor can the restore run
+        # beside it: it checks the checkpoint against the data's digest and restores the data
+        # cursor, whose size is the data's.
         loading = Beside(
             lambda: load_training_data(
                 cfg.snapshot_dir,
@@ -1035,12 +1035,14 @@ class Trainer:
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
     """The optimizer and LR scheduler (None for a constant rate) that ``cfg`` describes."""
+    from pipeline.trainer import optimizers
+
     if cfg.optimizer == "adam":
-        optimizer: torch.optim.Optimizer = torch.optim.Adam(
+        optimizer: torch.optim.Optimizer = optimizers.Adam(
             model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
         )
     else:
-        optimizer = torch.optim.SGD(
+        optimizer = optimizers.SGD(
             model.parameters(),
             lr=cfg.learning_rate,
             momentum=cfg.momentum,
