@@ -45,21 +45,22 @@ def _eager_step(step: Callable[..., Any]) -> Callable[..., Any]:
     return eager_step
 
 
-class Adam(torch.optim.Adam):
-    """``torch.optim.Adam``, bit for bit, that does not import ``torch._dynamo``."""
+class _WithoutDynamo:
+    """The base class's methods without their decorators (a mixin before torch's class)."""
 
     add_param_group = _unwrapped(_BASE.add_param_group)
     zero_grad = _unwrapped(_BASE.zero_grad)
     state_dict = _unwrapped(_BASE.state_dict)
     load_state_dict = _unwrapped(_BASE.load_state_dict)
+
+
+class Adam(_WithoutDynamo, torch.optim.Adam):
+    """``torch.optim.Adam``, bit for bit, that does not import ``torch._dynamo``."""
+
     step = _eager_step(torch.optim.Adam.step)  # type: ignore[assignment]
 
 
-class SGD(torch.optim.SGD):
+class SGD(_WithoutDynamo, torch.optim.SGD):
     """``torch.optim.SGD``, bit for bit, that does not import ``torch._dynamo``."""
 
-    add_param_group = _unwrapped(_BASE.add_param_group)
-    zero_grad = _unwrapped(_BASE.zero_grad)
-    state_dict = _unwrapped(_BASE.state_dict)
-    load_state_dict = _unwrapped(_BASE.load_state_dict)
     step = _eager_step(torch.optim.SGD.step)  # type: ignore[assignment]
