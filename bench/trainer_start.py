@@ -1,0 +1,87 @@
+"""What a fresh trainer process costs, side by side in two checkouts of Tracks.
+
+    .venv/bin/python bench/trainer_start.py OTHER_CHECKOUT [--repeats 6]
+
+Trains the same two-step digits run (one rank, a checked snapshot, one checkpoint) in a fresh
+``python -m pipeline.trainer`` of this checkout and of OTHER_CHECKOUT (each with its own
+``.venv``), alternating which goes first, and prints for each the CPU seconds of the process
+(user + system), its wall seconds, and the start-up the receipt measured (from the process's
+start to the end of its first step); medians, and this checkout's ÷ the other's. Every resume
+after a preemption and every rank of a distributed attempt pays this start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.kill_drill import make_snapshot, write_config  # noqa: E402
+
+
+def _children_cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def run_once(checkout: Path, config: Path, store: Path, run_id: str) -> tuple[float, float, float]:
+    """CPU seconds, wall seconds and the receipt's start-up total of one trainer process."""
+    cpu, wall = _children_cpu(), time.monotonic()
+    done = subprocess.run(
+        [str(checkout / ".venv" / "bin" / "python"), "-m", "pipeline.trainer",
+         "--config", str(config), "--run-id", run_id, "--store", str(store)],
+        cwd=checkout, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    wall, cpu = time.monotonic() - wall, _children_cpu() - cpu
+    finished = [json.loads(line) for line in done.stdout.splitlines() if "attempt_finished" in line]
+    if done.returncode != 0 or not finished:
+        raise SystemExit(f"{checkout}: the trainer failed:\n{done.stderr[-2000:]}")
+    return cpu, wall, float(finished[-1]["timings"]["startup"]["total"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("other", type=Path, help="another checkout of Tracks, with its .venv")
+    parser.add_argument("--repeats", type=int, default=6)
+    args = parser.parse_args(argv)
+
+    from pipeline.data.gate import ensure_checks_passed
+    from pipeline.data.snapshot import open_snapshot
+
+    work = Path(tempfile.mkdtemp(prefix="tracks-trainer-start-"))
+    snapshot = make_snapshot(work / "data")
+    ensure_checks_passed(open_snapshot(snapshot), snapshot_root=snapshot.parent)
+    config = write_config(work, snapshot, max_steps=2, checkpoint_every_steps=2)
+    checkouts = {"this": REPO, "other": args.other.resolve()}
+    figures: dict[str, list[tuple[float, float, float]]] = {name: [] for name in checkouts}
+    for repeat in range(args.repeats):
+        order = list(checkouts) if repeat % 2 == 0 else list(checkouts)[::-1]
+        for name in order:
+            row = run_once(checkouts[name], config, work / "store", f"{name}-{repeat}")
+            figures[name].append(row)
+            print(f"{name:5} cpu {row[0]:.2f} s, wall {row[1]:.2f} s, start-up {row[2]:.2f} s")
+    medians = {
+        name: [statistics.median(row[k] for row in rows) for k in range(3)]
+        for name, rows in figures.items()
+    }
+    print()
+    for name, path in checkouts.items():
+        cpu, wall, start = medians[name]
+        print(f"{name:5} {path}: median cpu {cpu:.2f} s, wall {wall:.2f} s, start-up {start:.2f} s")
+    ratios = [medians["this"][k] / medians["other"][k] for k in range(3)]
+    print("this ÷ other: cpu {:.2f}, wall {:.2f}, start-up {:.2f}".format(*ratios))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
