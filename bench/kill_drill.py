@@ -275,9 +275,12 @@ def make_snapshot(root: Path) -> Path:
     return create_snapshot(root / "landing", root / "snapshots").path
 
 
-def make_text_snapshot(root: Path, *, train_documents: int = 24, eval_documents: int = 4) -> Path:
+def make_text_snapshot(
+    root: Path, *, train_documents: int | None = 24, eval_documents: int | None = 4
+) -> Path:
     """A text-lm snapshot of the corpus's first documents of each split under ``root``, its
     blocking checks passed and recorded (as the data_snapshot asset leaves it); its path.
+    Both counts None: the whole corpus, landed as ``tracks landing text`` lands it.
 
     Few documents: evaluating every checkpoint then takes milliseconds, not a second.
     """
@@ -286,10 +289,12 @@ def make_text_snapshot(root: Path, *, train_documents: int = 24, eval_documents:
     from pipeline.textlm.corpus import build_documents
     from pipeline.textlm.landing import write_text_landing
 
-    documents, _ = build_documents()
-    train = [d for d in documents if d.split == "train"][:train_documents]
-    held_out = [d for d in documents if d.split == "eval"][:eval_documents]
-    write_text_landing(root / "landing", documents=train + held_out)
+    chosen = None
+    if train_documents is not None or eval_documents is not None:
+        documents, _ = build_documents()
+        chosen = [d for d in documents if d.split == "train"][:train_documents]
+        chosen += [d for d in documents if d.split == "eval"][:eval_documents]
+    write_text_landing(root / "landing", documents=chosen)
     snapshot = create_snapshot(root / "landing", root / "snapshots", family="text-lm")
     ensure_checks_passed(snapshot, snapshot_root=snapshot.path.parent)
     return snapshot.path

@@ -15,7 +15,6 @@ every step and the throughput, and the loss and held-out bits per byte at each c
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -30,6 +29,8 @@ if str(REPO) not in sys.path:
 
 import yaml  # noqa: E402
 
+from bench.kill_drill import make_text_snapshot, parse_events  # noqa: E402
+
 DEMO_CONFIG = REPO / "pipeline" / "trainer" / "configs" / "text-lm.yaml"
 SHAPES: dict[str, dict[str, Any]] = {
     "demo": {},
@@ -43,17 +44,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def text_snapshot(data: Path) -> Path:
     """The whole corpus landed and snapshotted under ``data``, checks passed; reused if there."""
-    from pipeline.data.gate import ensure_checks_passed
-    from pipeline.data.snapshot import create_snapshot
-    from pipeline.textlm.landing import write_text_landing
-
     existing = sorted((data / "snapshots").glob("text-*"))
     if existing:
         return existing[0]
-    write_text_landing(data / "landing")
-    snapshot = create_snapshot(data / "landing", data / "snapshots", family="text-lm")
-    ensure_checks_passed(snapshot, snapshot_root=snapshot.path.parent)
-    return snapshot.path
+    return make_text_snapshot(data, train_documents=None, eval_documents=None)
 
 
 def train(config: Path, store: Path, run_id: str) -> tuple[list[dict[str, Any]], float, str]:
@@ -69,12 +63,7 @@ def train(config: Path, store: Path, run_id: str) -> tuple[list[dict[str, Any]],
             cwd=REPO, stdout=stdout, stderr=stderr,
         )  # fmt: skip
     wall = time.monotonic() - started
-    events = []
-    for line in log.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    events = parse_events(log.read_text())
     tail = "" if code == 0 else "\n".join(err.read_text().splitlines()[-15:])
     return events, wall, tail
 

@@ -13,7 +13,6 @@ after a preemption and every rank of a distributed attempt pays this start-up.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import subprocess
@@ -26,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.kill_drill import make_snapshot, write_config  # noqa: E402
+from bench.kill_drill import make_snapshot, parse_events, write_config  # noqa: E402
 
 
 def _children_cpu() -> float:
@@ -43,7 +42,7 @@ def run_once(checkout: Path, config: Path, store: Path, run_id: str) -> tuple[fl
         cwd=checkout, capture_output=True, text=True, check=False,
     )  # fmt: skip
     wall, cpu = time.monotonic() - wall, _children_cpu() - cpu
-    finished = [json.loads(line) for line in done.stdout.splitlines() if "attempt_finished" in line]
+    finished = [e for e in parse_events(done.stdout) if e.get("event") == "attempt_finished"]
     if done.returncode != 0 or not finished:
         raise SystemExit(f"{checkout}: the trainer failed:\n{done.stderr[-2000:]}")
     return cpu, wall, float(finished[-1]["timings"]["startup"]["total"])

@@ -49,7 +49,7 @@ from pipeline.distributed.world import JoinAbandoned
 from pipeline.environment import fault_hooks
 from pipeline.states import TerminationReason
 from pipeline.tracking import TrainingTracker
-from pipeline.trainer import exit_codes
+from pipeline.trainer import exit_codes, optimizers
 from pipeline.trainer.attempt import (
     AttemptHandle,
     Outcome,
@@ -1035,8 +1035,6 @@ class Trainer:
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
     """The optimizer and LR scheduler (None for a constant rate) that ``cfg`` describes."""
-    from pipeline.trainer import optimizers
-
     if cfg.optimizer == "adam":
         optimizer: torch.optim.Optimizer = optimizers.Adam(
             model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
