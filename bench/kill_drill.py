@@ -268,11 +268,20 @@ def write_config(directory: Path, snapshot_dir: Path, **overrides: Any) -> Path:
 
 
 def make_snapshot(root: Path) -> Path:
+    """A digits snapshot under ``root``, its blocking checks passed and recorded (as the
+    data_snapshot asset leaves it); its path.
+
+    Checked here, once: a trainer handed an unchecked snapshot checks it itself, so every rank
+    of a drill's first attempt would import great-expectations and run the suites.
+    """
+    from pipeline.data.gate import ensure_checks_passed
     from pipeline.data.landing import write_digits_landing
     from pipeline.data.snapshot import create_snapshot
 
     write_digits_landing(root / "landing")
-    return create_snapshot(root / "landing", root / "snapshots").path
+    snapshot = create_snapshot(root / "landing", root / "snapshots")
+    ensure_checks_passed(snapshot, snapshot_root=snapshot.path.parent)
+    return snapshot.path
 
 
 def make_text_snapshot(
