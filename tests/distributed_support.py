@@ -88,24 +88,42 @@ def launch_ranks(
     return LaunchedRanks(process=process, log=log, log_dir=log_dir)
 
 
-def trainer_rank_pids(launcher_pid: int) -> dict[int, int]:
-    """The trainer ranks a launcher started, by RANK (read from each process's environment)."""
-    ranks: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+def _children(pid: int) -> list[int]:
+    """The live children of process ``pid`` (every thread's ``children`` file in /proc)."""
+    found: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # gone
+        return found
+    for task in tasks:
         try:
-            if b"pipeline.trainer" not in (entry / "cmdline").read_bytes().split(b"\0"):
+            found.extend(int(child) for child in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return found
+
+
+def trainer_rank_pids(launcher_pid: int) -> dict[int, int]:
+    """The trainer ranks a launcher started, by RANK (read from each process's environment).
+
+    Only the launcher's children are read (torchrun's agent starts the ranks itself): the
+    drills poll this every few milliseconds, and reading every process on the machine cost a
+    share of a core while hundreds of them were alive.
+    """
+    ranks: dict[int, int] = {}
+    for pid in _children(launcher_pid):
+        try:
+            if b"pipeline.trainer" not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
                 continue
             environ = dict(
                 item.split(b"=", 1)
-                for item in (entry / "environ").read_bytes().split(b"\0")
+                for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 if b"=" in item
             )
         except OSError:  # gone, or not ours to read
             continue
         if environ.get(b"TRACKS_LAUNCHER_PID") == str(launcher_pid).encode() and b"RANK" in environ:
-            ranks[int(environ[b"RANK"])] = int(entry.name)
+            ranks[int(environ[b"RANK"])] = pid
     return ranks
 
 
