@@ -25,6 +25,7 @@ from pipeline.checkpoint.manager import CheckpointConfig, CheckpointManager
 from pipeline.checkpoint.state import TrainingState, probe_logits
 from pipeline.checkpoint.verify import CheckpointContents
 from pipeline.determinism import use_deterministic_kernels
+from pipeline.process_exit import exit_process
 
 EXIT_OK = 0
 EXIT_DOES_NOT_RESTORE = 1
@@ -193,4 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

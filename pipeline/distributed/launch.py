@@ -40,6 +40,7 @@ from typing import Any
 
 from pipeline import envvars, redact
 from pipeline.distributed.ranks import ranks_summary_path
+from pipeline.process_exit import exit_process
 from pipeline.trainer import exit_codes
 
 OUTCOME_DIR_ENV = envvars.TRACKS_RANK_OUTCOME_DIR.name
@@ -567,4 +568,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from pipeline import envvars
+from pipeline.process_exit import exit_process
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,4 +77,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
