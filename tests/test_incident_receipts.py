@@ -105,11 +105,18 @@ def _heartbeat_step(ledger: Ledger, run_id: str, attempt_no: int) -> int:
 
 
 def _ended(home: Path, run_id: str, attempt_no: int, timeout: float = 240) -> AttemptRecord:
+    """The attempt once its orchestrator has ended it and recorded the retry decision (two
+    writes: a read between them sees an ended attempt whose decision is still to come)."""
     ledger = _ledger(home)
     return wait_for(
-        lambda: (a := _attempt(ledger, run_id, attempt_no)) is not None and a.ended_at and a,
+        lambda: (
+            (a := _attempt(ledger, run_id, attempt_no)) is not None
+            and a.ended_at
+            and a.retry_decision is not None
+            and a
+        ),
         timeout,
-        f"attempt {attempt_no} of {run_id} to end",
+        f"attempt {attempt_no} of {run_id} to end with a retry decision",
         interval=1.0,
     )
 
