@@ -1,13 +1,15 @@
 """What a fresh trainer process costs, side by side in two checkouts of Tracks.
 
-    .venv/bin/python bench/trainer_start.py OTHER_CHECKOUT [--repeats 6]
+    .venv/bin/python bench/trainer_start.py OTHER_CHECKOUT [--repeats 6] [--nproc 2]
 
-Trains the same two-step digits run (one rank, a checked snapshot, one checkpoint) in a fresh
+Trains the same two-step digits run (a checked snapshot, one checkpoint) in a fresh
 ``python -m pipeline.trainer`` of this checkout and of OTHER_CHECKOUT (each with its own
 ``.venv``), alternating which goes first, and prints for each the CPU seconds of the process
-(user + system), its wall seconds, and the start-up the receipt measured (from the process's
-start to the end of its first step); medians, and this checkout's ÷ the other's. Every resume
-after a preemption and every rank of a distributed attempt pays this start-up.
+(user + system), its wall seconds until it exited, and the start-up the receipt measured (from
+the process's start to the end of its first step); medians, and this checkout's ÷ the other's.
+Every resume after a preemption and every rank of a distributed attempt pays this start-up.
+``--nproc N``: N ranks under ``python -m pipeline.distributed.launch`` instead (the CPU of the
+launcher and every rank; rank 0's start-up).
 """
 
 from __future__ import annotations
@@ -33,11 +35,18 @@ def _children_cpu() -> float:
     return used.ru_utime + used.ru_stime
 
 
-def run_once(checkout: Path, config: Path, store: Path, run_id: str) -> tuple[float, float, float]:
-    """CPU seconds, wall seconds and the receipt's start-up total of one trainer process."""
+def run_once(
+    checkout: Path, config: Path, store: Path, run_id: str, nproc: int = 1
+) -> tuple[float, float, float]:
+    """CPU seconds, wall seconds and the receipt's start-up total of one trainer process (or
+    of a launch of ``nproc`` ranks: the launcher reaps its ranks, so their CPU is counted)."""
+    launcher = ["-m", "pipeline.trainer"]
+    if nproc > 1:
+        launcher = ["-m", "pipeline.distributed.launch", "--nproc-per-node", str(nproc),
+                    "--log-dir", str(store / "launch-logs" / run_id), "--", ]  # fmt: skip
     cpu, wall = _children_cpu(), time.monotonic()
     done = subprocess.run(
-        [str(checkout / ".venv" / "bin" / "python"), "-m", "pipeline.trainer",
+        [str(checkout / ".venv" / "bin" / "python"), *launcher,
          "--config", str(config), "--run-id", run_id, "--store", str(store)],
         cwd=checkout, capture_output=True, text=True, check=False,
     )  # fmt: skip
@@ -52,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("other", type=Path, help="another checkout of Tracks, with its .venv")
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--nproc", type=int, default=1, help="ranks per launch (1: no launcher)")
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="tracks-trainer-start-"))
@@ -62,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.repeats):
         order = list(checkouts) if repeat % 2 == 0 else list(checkouts)[::-1]
         for name in order:
-            row = run_once(checkouts[name], config, work / "store", f"{name}-{repeat}")
+            row = run_once(checkouts[name], config, work / "store", f"{name}-{repeat}", args.nproc)
             figures[name].append(row)
             print(f"{name:5} cpu {row[0]:.2f} s, wall {row[1]:.2f} s, start-up {row[2]:.2f} s")
     medians = {
