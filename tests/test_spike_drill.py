@@ -274,6 +274,34 @@ def test_the_detector_judges_upward_only_and_a_restored_window_judges_alike() ->
     assert health.detector.state_dict() == restored.detector.state_dict()  # spikes never enter
 
 
+def test_the_window_figures_are_exact_whatever_came_and_went_before() -> None:
+    """The running sums give the correctly rounded mean and standard deviation of the values
+    in the window, the same as a window filled with those values alone: what a resumed
+    attempt rebuilds from its checkpoint."""
+    import math
+    import random
+    from fractions import Fraction
+
+    from pipeline.trainer.spikes import _Window
+
+    rng = random.Random(7)
+    window = _Window(16)
+    for count in range(1, 400):
+        # Magnitudes from 1e-30 to 1e30, and back: the fixed point's scale grows as they pass.
+        window.append(rng.uniform(0.5, 2.0) * 10.0 ** rng.choice([-30, -3, 0, 0, 0, 5, 30]))
+        values = [Fraction(v) for v in window.values]
+        n = len(values)
+        mean = sum(values) / n
+        assert window.mean_std()[0] == float(mean), count
+        if n > 1:
+            variance = sum((v - mean) ** 2 for v in values) / (n - 1)
+            assert window.mean_std()[1] == math.sqrt(float(variance)), count
+        fresh = _Window(16)
+        for value in window.values:
+            fresh.append(value)
+        assert fresh.mean_std() == window.mean_std(), count
+
+
 def test_the_cursor_deals_past_skipped_batches_across_an_epoch_and_after_a_restore() -> None:
     import torch
 

@@ -8,10 +8,14 @@ upward spikes count: a loss that falls faster than usual is good news. A non-fin
 norm is always a spike. A spike's values never enter the window, so one bad batch does not
 widen the band the next one is judged by.
 
-It is plain Python on floats, in one order (``math.fsum``): the same history gives the same
-verdict bit for bit, in every process and on every rank (each rank judges the global loss and
-the gradient norm DDP already synchronised). The windows are part of the checkpointed trainer
-state, so a resumed attempt judges exactly as the uninterrupted one would have.
+The window's sum and sum of squares are kept exactly, as integers (a finite float is an
+integer times a power of two), and updated as a value joins and the oldest leaves: judging a
+step costs the same whatever the window's size, and the mean and standard deviation are each
+one correctly rounded division, so they depend on the window's values alone, never on the
+order they came in. The same history gives the same verdict bit for bit, in every process and
+on every rank (each rank judges the global loss and the gradient norm DDP already
+synchronised). The windows are part of the checkpointed trainer state, so a resumed attempt
+judges exactly as the uninterrupted one would have.
 
 :class:`TrainingHealth` is what a checkpoint carries: the detector, its settings, and every
 event so far (each spike: where, how far out, what was done, which batches were skipped, which
@@ -63,13 +67,69 @@ class Judgement:
         }
 
 
+class _Window:
+    """One metric's recent values, with their sum and sum of squares kept exactly.
+
+    In fixed point: each value is ``numerator / 2**shift`` (``float.as_integer_ratio``), so
+    scaled by ``2**scale``, the largest shift seen, every value is an integer. The scale only
+    grows (and the sums are shifted with it); the figures derived from the sums are the same
+    whatever it is. Values of one metric share their magnitude, so the integers stay near 64
+    bits and the sums near 128.
+    """
+
+    __slots__ = ("_ratios", "_scale", "_squares", "_sum", "values")
+
+    def __init__(self, size: int) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+        self._ratios: deque[tuple[int, int]] = deque()  # (numerator, shift) of each value
+        self._scale = 0
+        self._sum = 0
+        self._squares = 0
+
+    def append(self, value: float) -> None:
+        if len(self.values) == self.values.maxlen:
+            numerator, shift = self._ratios.popleft()
+            oldest = numerator << (self._scale - shift)
+            self._sum -= oldest
+            self._squares -= oldest * oldest
+        numerator, denominator = value.as_integer_ratio()  # denominator: a power of two
+        shift = denominator.bit_length() - 1
+        if shift > self._scale:
+            grow, self._scale = shift - self._scale, shift
+            self._sum <<= grow
+            self._squares <<= 2 * grow
+        scaled = numerator << (self._scale - shift)
+        self.values.append(value)
+        self._ratios.append((numerator, shift))
+        self._sum += scaled
+        self._squares += scaled * scaled
+
+    def mean_std(self) -> tuple[float, float]:
+        """The mean and the sample standard deviation (0.0 below two values), each from one
+        correctly rounded division of exact integers."""
+        n = len(self.values)
+        if n == 0:
+            return 0.0, 0.0
+        mean = self._sum / (n << self._scale)
+        if n == 1:
+            return mean, 0.0
+        # n(n-1) * variance * 2**(2 scale) = n * sum(a*a) - sum(a)**2, exactly.
+        try:
+            variance = (n * self._squares - self._sum * self._sum) / (
+                (n * (n - 1)) << (2 * self._scale)
+            )
+        except OverflowError:  # values beyond 1e154: a spread no float holds
+            variance = math.inf
+        return mean, math.sqrt(variance)
+
+
 class SpikeDetector:
     """Rolling windows of the judged metrics; :meth:`judge` is the whole decision."""
 
     def __init__(self, config: SpikeConfig) -> None:
         self.config = config
-        self._windows: dict[str, deque[float]] = {
-            name: deque(maxlen=config.window) for name in config.metric_names
+        self._windows: dict[str, _Window] = {
+            name: _Window(config.window) for name in config.metric_names
         }
 
     def judge(self, values: Mapping[str, float]) -> Judgement | None:
@@ -77,24 +137,24 @@ class SpikeDetector:
 
         A clean step's values join the windows; a spike's do not.
         """
-        judged = [self._judge(name, float(values[name])) for name in self._windows]
-        for judgement, spiked in judged:
-            if spiked:
+        for name, window in self._windows.items():
+            judgement = self._judge(name, window, float(values[name]))
+            if judgement is not None:
                 return judgement
-        for name in self._windows:
-            self._windows[name].append(float(values[name]))
+        for name, window in self._windows.items():
+            window.append(float(values[name]))
         return None
 
-    def _judge(self, name: str, value: float) -> tuple[Judgement, bool]:
-        window = self._windows[name]
+    def _judge(self, name: str, window: _Window, value: float) -> Judgement | None:
+        """``value``'s judgement where it is a spike; None where it is not."""
         cfg = self.config
-        n = len(window)
-        mean = math.fsum(window) / n if n else 0.0
-        std = math.sqrt(math.fsum((x - mean) ** 2 for x in window) / (n - 1)) if n > 1 else 0.0
+        n = len(window.values)
         if not math.isfinite(value):
-            return Judgement(name, value, mean, std, n, math.inf, math.inf), True
+            mean, std = window.mean_std()
+            return Judgement(name, value, mean, std, n, math.inf, math.inf)
         if n < cfg.min_history:
-            return Judgement(name, value, mean, std, n, None, None), False
+            return None
+        mean, std = window.mean_std()
         zscore = ratio = None
         if cfg.zscore is not None:
             # A flat window (std 0): any rise at all is infinitely many deviations out.
@@ -104,10 +164,10 @@ class SpikeDetector:
         spiked = (zscore is not None and cfg.zscore is not None and zscore > cfg.zscore) or (
             ratio is not None and cfg.ratio is not None and ratio > cfg.ratio
         )
-        return Judgement(name, value, mean, std, n, zscore, ratio), spiked
+        return Judgement(name, value, mean, std, n, zscore, ratio) if spiked else None
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: list(window) for name, window in self._windows.items()}
+        return {name: list(window.values) for name, window in self._windows.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if set(state) != set(self._windows):
@@ -120,7 +180,10 @@ class SpikeDetector:
                 isinstance(v, int | float) and math.isfinite(v) for v in values
             ):
                 raise ValueError(f"spike detector window {name!r} is not a list of numbers")
-            self._windows[name] = deque((float(v) for v in values), maxlen=self.config.window)
+            window = _Window(self.config.window)
+            for value in values:
+                window.append(float(value))
+            self._windows[name] = window
 
 
 @dataclass(frozen=True)
