@@ -710,7 +710,8 @@ def _health(
 
 
 _TIMED = (("data", "data"), ("compute", "compute"), ("collective", "collective"),
-          ("save_stall", "save stall"), ("total", "total"))  # fmt: skip
+          ("health", "spike detector"), ("save_stall", "save stall"),
+          ("total", "total"))  # fmt: skip
 
 
 def _step_timing_lines(a: AttemptRecord) -> list[str]:

@@ -91,12 +91,15 @@ def test_one_rank_hung_in_its_data_loading_ends_the_attempt_hung(
     steps = attempt.timings["steps"]["0"]
     assert steps["steps"] == step - 1
     assert 0 < steps["compute"]["median"] <= steps["compute"]["p99"] <= steps["total"]["p99"]
+    # The spike detector's share of a step is timed apart (the gradient norm and the verdict).
+    assert 0 < steps["health"]["median"] <= steps["health"]["p99"] < steps["total"]["p99"]
     # Step messages carried the window's means; the receipt names the stuck rank and frames.
     timing = [e["timing"] for e in finished.events if e["event"] == "step"]
     assert timing and all(t["total"] >= t["compute"] > 0 for t in timing[1:]), timing
     page = explain(Ledger.open(url), f"{run_id}#1")
     assert "**hung**" in page and "Rank 0 hung in data loading" in page
     assert "**Step timing, rank 0**" in page and "**Hang**: stuck rank(s) 0" in page
+    assert "spike detector " in page
 
 
 def _trainer_resources(home: Path) -> dict[str, Any]:

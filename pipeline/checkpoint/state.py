@@ -126,6 +126,9 @@ class TrainingState:
     # (pipeline.trainer.spikes.TrainingHealth): a resumed attempt judges as the uninterrupted
     # one would, and every checkpoint carries the history of the lineage that made it.
     health: Stateful | None = None
+    # The flat gradient buffer the trainer binds the parameters' gradients to
+    # (pipeline.trainer.gradients.GradientBuffer); bound at the first step, never saved.
+    gradients: Any | None = field(default=None, repr=False)
 
     def stateful(self) -> dict[str, Stateful]:
         parts: dict[str, Stateful] = {

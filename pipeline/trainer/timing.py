@@ -1,4 +1,5 @@
-"""Where each step's time goes, per rank: data loading, compute, collectives, the save's stall.
+"""Where each step's time goes, per rank: data loading, compute, collectives, the spike
+detector, the save's stall.
 
 The training loop wraps each part of a step in :meth:`StepTimer.phase`; the timer keeps every
 step's split (the newest :data:`KEPT_STEPS`), the means of the window since the last step
@@ -11,11 +12,13 @@ The phases, in the order a step runs them:
 - ``compute``: forward, backward and the optimizer step; under DDP the gradients' all-reduce
   runs inside backward, overlapped with it, so it is compute here, not collective;
 - ``collective``: the loss all-reduce and the ranks' agreement on when to stop;
+- ``health``: the loss-spike detector's work, between backward and the update: the gradient
+  norm and the verdict (none with ``spikes.enabled: false``);
 - ``save``: the loop's time in a checkpoint save (a synchronous save whole, an async save's
   staging copy): reported as ``save_stall``.
 
 ``total`` is the step's wall time from its batch to the end of its save, minus a drill's
-deliberate pause (:meth:`StepTimer.paused`); what it holds beyond the four parts is the loop's
+deliberate pause (:meth:`StepTimer.paused`); what it holds beyond the five parts is the loop's
 bookkeeping (logging, the heartbeat).
 """
 
@@ -28,10 +31,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
-PHASES = ("data", "compute", "collective", "save")
+PHASES = ("data", "compute", "collective", "health", "save")
 # One step's record, in this order: each phase's seconds (save as save_stall) and the total.
-FIELDS = ("data", "compute", "collective", "save_stall", "total")
-# The steps whose split is kept for the receipt's summary (5 floats each).
+FIELDS = ("data", "compute", "collective", "health", "save_stall", "total")
+# The steps whose split is kept for the receipt's summary (6 floats each).
 KEPT_STEPS = 100_000
 # The recent steps whose time teaches the watchdog what a normal step takes.
 RECENT_STEPS = 512

@@ -60,6 +60,7 @@ from pipeline.trainer.attempt import (
 from pipeline.trainer.config import ConfigError, TrainConfig
 from pipeline.trainer.data import BadInputError, EpochSampler, TrainingData, load_training_data
 from pipeline.trainer.families import family
+from pipeline.trainer.gradients import GradientBuffer
 from pipeline.trainer.reporting import Reporter, StdoutReporter, make_reporter
 from pipeline.trainer.spikes import HealthEvent, Spike, TrainingHealth, spike_words
 from pipeline.trainer.startup import Beside, StartupClock
@@ -363,7 +364,7 @@ class Trainer:
     def _start_and_train(self) -> Outcome:
         cfg = self.config
         world = self.world
-        device = _make_deterministic(cfg)
+        device = make_deterministic(cfg)
         if world.distributed and cfg.batch_size % world.world_size:
             raise ConfigError(
                 "config",
@@ -730,7 +731,7 @@ class Trainer:
                         "epoch": state.data_cursor.epoch,  # type: ignore[attr-defined]
                         "examples_per_second": window_rate,
                         # This rank's seconds per phase, means over the steps since the last
-                        # message: data, compute, collective, save_stall, total.
+                        # message: data, compute, collective, health, save_stall, total.
                         "timing": timer.window_means(),
                     }
                 )
@@ -1112,7 +1113,8 @@ def train_step(
     if _fault_spike_due(cursor.dealt):  # type: ignore[attr-defined]
         inputs, targets = row.corrupt(inputs, targets)
     _now_in(timer, "compute", _COMPUTE_WORDS[world_.distributed])
-    state.optimizer.zero_grad(set_to_none=True)
+    gradients = state.gradients = GradientBuffer.of(state.optimizer, state.gradients)
+    gradients.zero()
     try:
         loss = row.loss((forward or state.model)(inputs), targets)
         loss.backward()  # under DDP, the gradients' all-reduce runs here
@@ -1120,6 +1122,7 @@ def train_step(
         if world is not None and world.distributed and _is_collective_failure(exc):
             raise CollectiveError("averaging the gradients", world.rank, exc) from exc
         raise
+    gradients.check_bound()
     if world is not None and world.distributed:
         _now_in(timer, "collective", "averaging the loss")
         value = _global_mean(loss.detach(), world)
@@ -1130,15 +1133,17 @@ def train_step(
         value = float(loss.item())
     spike = None
     if health is not None and health.config.enabled:
+        _now_in(timer, "health", "judging the loss and the gradient norm")
         # DDP's backward left every rank the same averaged gradients, so the same norm: with
         # the global loss, every rank reaches the same verdict without another collective.
         spike = health.judge(
             step=state.step + 1,
             batch=cursor.dealt,  # type: ignore[attr-defined]
             loss=value,
-            grad_norm=_grad_norm(state.model),
+            grad_norm=gradients.norm(),
         )
         health.pending = spike
+        _now_in(timer, "compute", "the optimizer's update")
     if spike is None:
         state.optimizer.step()
     # A skipped update is still a step: the schedule follows the step count, as max_steps does.
@@ -1159,18 +1164,6 @@ _COMPUTE_WORDS = {
 def _now_in(timer: StepTimer | None, phase: str, what: str) -> None:
     if timer is not None:
         timer.switch(phase, what)
-
-
-def _grad_norm(model: torch.nn.Module) -> float:
-    """The global L2 norm of the gradients (0.0 when there are none), in one fixed order."""
-    norms = [
-        torch.linalg.vector_norm(p.grad.detach(), 2.0)
-        for p in model.parameters()
-        if p.grad is not None
-    ]
-    if not norms:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(norms), 2.0).item())
 
 
 def _health_of(state: TrainingState) -> TrainingHealth | None:
@@ -1304,7 +1297,9 @@ def _resumes_large_files(run_dir: Path) -> bool:
         return False
 
 
-def _make_deterministic(cfg: TrainConfig) -> torch.device:
+def make_deterministic(cfg: TrainConfig) -> torch.device:
+    """Seed every generator from ``cfg.seed``, make kernels deterministic, use one thread;
+    the device to train on (ConfigError: cuda asked for, none visible)."""
     if cfg.device == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("config", "device", "is cuda but no CUDA device is visible")

@@ -60,6 +60,7 @@ _PHASE_WORDS = {
     "data": "data loading",
     "compute": "compute",
     "collective": "a collective",
+    "health": "the spike detector",
     "save": "a checkpoint save",
     BETWEEN: "the loop",
 }
