@@ -26,7 +26,8 @@ class GradientBuffer:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # A frozen parameter keeps no gradient: the optimizer must go on passing it by.
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
         for param in params:
             groups.setdefault((param.device, param.dtype), []).append(param)
