@@ -1093,9 +1093,11 @@ def train_step(
     the data position a checkpoint records, do not depend on the world size) and trains on
     its own slice; DDP (``forward``) averages the gradients, and the loss is averaged too.
 
-    With ``health``, the step is judged after backward and before the update (zero_grad,
-    forward, backward, global loss and gradient norm, verdict, then ``optimizer.step``): a
-    spike's update is left out, and the verdict is left in ``health.pending`` for the loop.
+    The gradients live in a flat buffer (``state.gradients``, bound at the first step;
+    pipeline/trainer/gradients.py): zeroed there, accumulated into by backward. With
+    ``health``, the step is judged after backward and before the update (global loss and
+    gradient norm, verdict, then ``optimizer.step``): a spike's update is left out, and the
+    verdict is left in ``health.pending`` for the loop.
 
     ``timer`` is told each phase as the step enters it (data, compute, collective); ``fault``
     is the drill's hang hook (``TRACKS_FAULT_HANG_AT_STEP``).
