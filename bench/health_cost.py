@@ -51,13 +51,11 @@ def in_process(
     config: dict[str, Any], *, blocks: int, block_steps: int, warmup: int
 ) -> dict[str, Any]:
     """Alternating blocks of detectors on and off in this process; their medians."""
-    from pipeline.checkpoint import TrainingState
     from pipeline.trainer.config import TrainConfig
-    from pipeline.trainer.data import EpochSampler, load_training_data
-    from pipeline.trainer.families import family
+    from pipeline.trainer.data import load_training_data
     from pipeline.trainer.spikes import TrainingHealth
     from pipeline.trainer.timing import StepTimer
-    from pipeline.trainer.train import build_optimizer, make_deterministic, train_step
+    from pipeline.trainer.train import build_training_state, make_deterministic, train_step
     from pipeline.trainer.watchdog import Stall, Watchdog
 
     cfg = TrainConfig.from_dict(config, source="bench")
@@ -66,19 +64,9 @@ def in_process(
     data = load_training_data(
         cfg.snapshot_dir, model_family=cfg.model_family, model_section=model_section
     ).to(device)
-    model = family(cfg.model_family).build_model(model_section).to(device)
-    optimizer, scheduler = build_optimizer(cfg, model)
-    health = TrainingHealth(cfg.spikes)
-    state = TrainingState(
-        model=model,
-        optimizer=optimizer,
-        data_cursor=EpochSampler(data.num_train_examples, cfg.batch_size, cfg.seed),
-        config=cfg.to_dict(),
-        config_sha256=cfg.sha256(),
-        probe_inputs=data.eval_inputs[: cfg.probe_size],
-        lr_scheduler=scheduler,
-        health=health,
-    )
+    state = build_training_state(cfg, data, device)  # the trainer's own fresh state
+    health = state.health
+    assert isinstance(health, TrainingHealth)
     spikes = 0
 
     def never_hangs(stall: Stall) -> None:

@@ -82,9 +82,7 @@ def _squares(flat: torch.Tensor) -> float:
     """The sum of ``flat``'s squares: a dot product (one BLAS call, the cheapest reduction
     after backward: 90 us against vector_norm's 125 on the 2-vCPU VM), accumulated in float32
     at least."""
-    if flat.dtype in (torch.float32, torch.float64):
-        return float(torch.dot(flat, flat).item())
-    wide = flat.float()
+    wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
     return float(torch.dot(wide, wide).item())
 
 

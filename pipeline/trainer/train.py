@@ -401,7 +401,7 @@ class Trainer:
             self.startup.add("data", loading.seconds or 0.0)
         self._agree_before_training("after loading the training data")
         seeded = RNGState().state_dict()
-        state = self._build(data, device)
+        state = build_training_state(self.config, data, device)
         manager = self._make_manager()
         self._manager = manager
         try:
@@ -413,7 +413,7 @@ class Trainer:
             # as the first time, as if there had been no checkpoint.
             self.reporter.event("restore_diverged", {"error": str(exc)[:600]}, level="warning")
             RNGState().load_state_dict(seeded)
-            state = self._build(data, device)
+            state = build_training_state(self.config, data, device)
             resumed = None
         self.step, self.last_checkpoint = state.step, resumed
         if resumed is not None and state.step >= cfg.max_steps:
@@ -588,27 +588,6 @@ class Trainer:
                 "snapshot_id": data.snapshot_id,
                 "dagster_run_id": os.environ.get("DAGSTER_RUN_ID", ""),
             },
-        )
-
-    def _build(self, data: TrainingData, device: torch.device) -> TrainingState:
-        cfg = self.config
-        model = family(cfg.model_family).build_model(cfg.to_dict()["model"]).to(device)
-        optimizer, scheduler = build_optimizer(cfg, model)
-        try:
-            sampler = EpochSampler(data.num_train_examples, cfg.batch_size, cfg.seed)
-        except ValueError as exc:
-            raise ConfigError("config", "batch_size", str(exc)) from exc
-        return TrainingState(
-            model=model,
-            optimizer=optimizer,
-            data_cursor=sampler,
-            config=cfg.to_dict(),
-            config_sha256=cfg.sha256(),
-            probe_inputs=data.eval_inputs[: cfg.probe_size],
-            lr_scheduler=scheduler,
-            data_manifest_sha256=data.manifest_sha256,
-            snapshot_id=data.snapshot_id,
-            health=TrainingHealth(cfg.spikes),
         )
 
     def _loop(
@@ -1032,6 +1011,31 @@ class Trainer:
             ledger.set_attempt_health(self.attempt.run_id, number, health.provenance())
         except Exception as exc:  # a receipt detail; never worth failing the attempt over
             self.reporter.event("ledger_unreachable", {"error": str(exc)[:500]}, "warning")
+
+
+def build_training_state(
+    cfg: TrainConfig, data: TrainingData, device: torch.device
+) -> TrainingState:
+    """A fresh run's state: the model, optimizer, schedule, data cursor and spike detector
+    ``cfg`` describes, on ``device``, over ``data``."""
+    model = family(cfg.model_family).build_model(cfg.to_dict()["model"]).to(device)
+    optimizer, scheduler = build_optimizer(cfg, model)
+    try:
+        sampler = EpochSampler(data.num_train_examples, cfg.batch_size, cfg.seed)
+    except ValueError as exc:
+        raise ConfigError("config", "batch_size", str(exc)) from exc
+    return TrainingState(
+        model=model,
+        optimizer=optimizer,
+        data_cursor=sampler,
+        config=cfg.to_dict(),
+        config_sha256=cfg.sha256(),
+        probe_inputs=data.eval_inputs[: cfg.probe_size],
+        lr_scheduler=scheduler,
+        data_manifest_sha256=data.manifest_sha256,
+        snapshot_id=data.snapshot_id,
+        health=TrainingHealth(cfg.spikes),
+    )
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
