@@ -10,8 +10,10 @@ reduction over each flat tensor instead of one per parameter. Measured on the de
 
 What changes against ``zero_grad(set_to_none=True)``: a parameter that took no part in a
 step's forward has a zero gradient rather than none, so the optimizer visits it (Adam's moments
-decay, weight decay applies). Tracks' model families use every parameter in every step, as
-DDP requires of them anyway.
+decay, weight decay applies). Tracks' model families use every parameter in every step.
+
+Among ranks the buffer is also what is averaged: pipeline/trainer/averaging.py cuts it into
+buckets (:meth:`GradientBuffer.buckets`) and all-reduces each as backward fills it.
 """
 
 from __future__ import annotations
@@ -32,15 +34,19 @@ class GradientBuffer:
         for param in params:
             groups.setdefault((param.device, param.dtype), []).append(param)
         self._flats: list[torch.Tensor] = []
+        # Each flat's parameters, in its order, with where each one's gradient starts in it.
+        self._members: list[tuple[tuple[torch.nn.Parameter, int], ...]] = []
         for (device, dtype), members in groups.items():
             flat = torch.zeros(sum(p.numel() for p in members), device=device, dtype=dtype)
-            offset = 0
+            offset, placed = 0, []
             for param in members:
                 # A view with the parameter's shape and (contiguous) strides: the layout
                 # autograd would give a fresh gradient, so backward accumulates into it.
                 param.grad = flat[offset : offset + param.numel()].view_as(param)
+                placed.append((param, offset))
                 offset += param.numel()
             self._flats.append(flat)
+            self._members.append(tuple(placed))
         self._params = tuple(params)
         self._checked = False
 
@@ -60,6 +66,24 @@ class GradientBuffer:
         """The global L2 norm of the gradients (inf or nan where any is not finite, or where
         the sum of squares overflows; 0.0 for an optimizer without parameters)."""
         return math.sqrt(math.fsum(_squares(flat) for flat in self._flats))
+
+    def buckets(self, max_bytes: int) -> list[tuple[torch.Tensor, tuple[torch.nn.Parameter, ...]]]:
+        """The buffer cut into contiguous views of at most ``max_bytes`` (or of one parameter's
+        gradient, where that alone is larger), each with the parameters whose gradients it
+        holds: from each flat tensor's end to its start, the order backward fills them in."""
+        out: list[tuple[torch.Tensor, tuple[torch.nn.Parameter, ...]]] = []
+        for flat, members in zip(self._flats, self._members, strict=True):
+            most = max(max_bytes // flat.element_size(), 1)  # elements a bucket may hold
+            end, start, taken = flat.numel(), flat.numel(), []
+            for param, offset in reversed(members):
+                if taken and end - offset > most:
+                    out.append((flat[start:end], tuple(taken)))
+                    end, taken = start, []
+                start = offset
+                taken.append(param)
+            if taken:
+                out.append((flat[start:end], tuple(taken)))
+        return out
 
     def check_bound(self) -> None:
         """Raise where a parameter's ``.grad`` is not a view of the buffer (something set it
