@@ -9,9 +9,10 @@ message, the median and p99 of the attempt for the receipt, and where the rank i
 The phases, in the order a step runs them:
 
 - ``data``: drawing the batch from the data cursor and indexing the tensors;
-- ``compute``: forward, backward and the optimizer step; under DDP the gradients' all-reduce
-  runs inside backward, overlapped with it, so it is compute here, not collective;
-- ``collective``: the loss all-reduce and the ranks' agreement on when to stop;
+- ``compute``: forward, backward and the optimizer step; among ranks, backward starts the
+  gradients' all-reduces bucket by bucket, overlapped with it;
+- ``collective``: the wait for the gradients' all-reduces after backward (what they did not
+  overlap), the loss all-reduce and the ranks' agreement on when to stop;
 - ``health``: the loss-spike detector's work, between backward and the update: the gradient
   norm and the verdict (none with ``spikes.enabled: false``);
 - ``save``: the loop's time in a checkpoint save (a synchronous save whole, an async save's

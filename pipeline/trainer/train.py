@@ -57,6 +57,7 @@ from pipeline.trainer.attempt import (
     next_standalone_attempt_no,
     write_last_words,
 )
+from pipeline.trainer.averaging import GradientAverager
 from pipeline.trainer.config import ConfigError, TrainConfig
 from pipeline.trainer.data import BadInputError, EpochSampler, TrainingData, load_training_data
 from pipeline.trainer.families import family
@@ -326,7 +327,8 @@ class Trainer:
         self.world = world or World()
         self.startup = startup or StartupClock()  # the receipt's start-up split
         self.groups: Groups | None = None
-        self._forward: torch.nn.Module | None = None  # the DDP wrapper when distributed
+        # The gradients' average over the ranks, when distributed (pipeline/trainer/averaging.py).
+        self._averager: GradientAverager | None = None
         self.attempt = attempt
         self.reporter = reporter
         self.stop = stop
@@ -472,10 +474,9 @@ class Trainer:
         manager.protect_through(health.clean_through() if health else None)
         self._record_health(health)
         if world.distributed:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # Wrapped after the restore: DDP broadcasts rank 0's weights when it is built.
-            self._forward = DistributedDataParallel(state.model)
+            # Built after the restore: it checks that every rank holds the same model and
+            # gives every rank rank 0's weights.
+            self._averager = GradientAverager(state.model, world)
         self.reporter.event(
             "attempt_started",
             {
@@ -673,7 +674,7 @@ class Trainer:
                 state,
                 data,
                 world=self.world,
-                forward=self._forward,
+                averager=self._averager,
                 health=health,
                 timer=timer,
                 fault=self._hang_fault,
@@ -924,7 +925,7 @@ class Trainer:
     ) -> Outcome | None:
         """Do what ``spike`` calls for (train_step already left its update out); an outcome
         when the attempt stops. Every rank takes the same branch: the verdict was reached
-        from the global loss and the gradient norm DDP synchronised."""
+        from the global loss and the averaged gradients' norm."""
         from contextlib import nullcontext
 
         health = _health_of(state)
@@ -1086,7 +1087,7 @@ def train_step(
     data: TrainingData,
     *,
     world: World | None = None,
-    forward: torch.nn.Module | None = None,
+    averager: GradientAverager | None = None,
     health: TrainingHealth | None = None,
     timer: StepTimer | None = None,
     fault: HangFault | None = None,
@@ -1095,7 +1096,8 @@ def train_step(
 
     Distributed: every rank draws the same global batch from the cursor (so the cursor, and
     the data position a checkpoint records, do not depend on the world size) and trains on
-    its own slice; DDP (``forward``) averages the gradients, and the loss is averaged too.
+    its own slice; ``averager`` averages the gradients (its all-reduces start during backward,
+    bucket by bucket, and are waited for after it), and the loss is averaged too.
 
     The gradients live in a flat buffer (``state.gradients``, bound at the first step;
     pipeline/trainer/gradients.py): zeroed there, accumulated into by backward. With
@@ -1121,14 +1123,19 @@ def train_step(
     _now_in(timer, "compute", _COMPUTE_WORDS[world_.distributed])
     gradients = state.gradients = GradientBuffer.of(state.optimizer, state.gradients)
     gradients.zero()
+    if averager is not None:
+        averager.prepare(gradients)
     try:
-        loss = row.loss((forward or state.model)(inputs), targets)
-        loss.backward()  # under DDP, the gradients' all-reduce runs here
+        loss = row.loss(state.model(inputs), targets)
+        loss.backward()  # distributed: the buckets' all-reduces start from here
     except RuntimeError as exc:
         if world is not None and world.distributed and _is_collective_failure(exc):
             raise CollectiveError("averaging the gradients", world.rank, exc) from exc
         raise
     gradients.check_bound()
+    if averager is not None:
+        _now_in(timer, "collective", "averaging the gradients")
+        averager.finish()
     if world is not None and world.distributed:
         _now_in(timer, "collective", "averaging the loss")
         value = _global_mean(loss.detach(), world)
@@ -1140,8 +1147,8 @@ def train_step(
     spike = None
     if health is not None and health.config.enabled:
         _now_in(timer, "health", "judging the loss and the gradient norm")
-        # DDP's backward left every rank the same averaged gradients, so the same norm: with
-        # the global loss, every rank reaches the same verdict without another collective.
+        # Every rank holds the same averaged gradients, so the same norm: with the global
+        # loss, every rank reaches the same verdict without another collective.
         spike = health.judge(
             step=state.step + 1,
             batch=cursor.dealt,  # type: ignore[attr-defined]
@@ -1159,11 +1166,11 @@ def train_step(
     return value
 
 
-# The compute phase in words, without and with DDP (whose gradient all-reduce runs, overlapped,
-# inside backward: compute here, never "collective").
+# The compute phase in words, alone and among ranks (whose gradients' all-reduces start inside
+# backward, overlapped with it; the wait for them after it is the "collective" phase).
 _COMPUTE_WORDS = {
     False: "forward, backward and the optimizer's update",
-    True: "forward and backward, where DDP averages the gradients with the other ranks",
+    True: "forward and backward, which starts the gradients' all-reduces",
 }
 
 
@@ -1177,10 +1184,11 @@ def _health_of(state: TrainingState) -> TrainingHealth | None:
 
 
 def _is_collective_failure(exc: RuntimeError) -> bool:
-    """Whether DDP's collective failed (a peer rank gone), not the model's own code.
+    """Whether a collective failed (a peer rank gone), not the model's own code.
 
-    DDP raises a broken gloo transport as a plain RuntimeError from backward: only its origin,
-    named in the message, tells it apart from an error in the model.
+    A bucket's all-reduce starts inside backward: a broken gloo transport comes out of backward
+    as a plain RuntimeError, which only its origin, named in the message, tells apart from an
+    error in the model.
     """
     import torch.distributed as dist
 
