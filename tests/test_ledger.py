@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from pipeline.ledger import AttemptStart, Ledger, StaleFencingTokenError, UnknownAttemptError
+from pipeline.ledger import (
+    AttemptStart,
+    Ledger,
+    SnapshotManifestChangedError,
+    StaleFencingTokenError,
+    UnknownAttemptError,
+)
 from pipeline.ledger.schema import metadata
 from pipeline.states import CheckpointState, RunStatus, TerminationReason
 
@@ -142,3 +150,75 @@ def test_ledger_survives_its_postgresql_connections_being_killed(pg_database: st
     assert killed >= 1
     attempt = ledger.begin_attempt("run-1", _start())
     assert attempt.attempt_no == 1
+
+
+def _race_on_insert(ledger: Ledger, table: str, before_insert: Callable[[], None]) -> None:
+    """Run ``before_insert`` once, from outside, just before ``ledger`` inserts into ``table``:
+    another process's write landing between this one's read and its insert."""
+    fired = []
+
+    @sa.event.listens_for(ledger.engine, "before_cursor_execute")
+    def _interleave(*args: object) -> None:
+        statement = str(args[2])
+        if not fired and statement.startswith(f"INSERT INTO {table} "):
+            fired.append(statement)
+            before_insert()
+
+
+SNAPSHOT = {"snapshot_id": "digits-0123456789abcdef", "content_sha256": "e" * 64, "rows": 10,
+            "source": "landing"}  # fmt: skip
+
+
+def test_two_processes_registering_one_snapshot_at_once_both_get_its_row(
+    ledger_url: str,
+) -> None:
+    """Two trainers starting on one new snapshot: the other's row lands between this one's read
+    and its insert; the insert's unique violation is read as what it is, not an error."""
+    ours, theirs = Ledger.open(ledger_url), Ledger(ledger_url)
+    _race_on_insert(
+        ours, "snapshots", lambda: theirs.register_snapshot(manifest_sha256="m" * 64, **SNAPSHOT)
+    )
+    record = ours.register_snapshot(manifest_sha256="m" * 64, **SNAPSHOT)
+    assert record.manifest_sha256 == "m" * 64
+    assert [s.snapshot_id for s in ours.snapshots()] == [SNAPSHOT["snapshot_id"]]
+
+
+def test_a_racing_registration_of_another_manifest_is_still_refused(ledger_url: str) -> None:
+    ours, theirs = Ledger.open(ledger_url), Ledger(ledger_url)
+    _race_on_insert(
+        ours, "snapshots", lambda: theirs.register_snapshot(manifest_sha256="n" * 64, **SNAPSHOT)
+    )
+    with pytest.raises(SnapshotManifestChangedError, match=r"n{64}"):
+        ours.register_snapshot(manifest_sha256="m" * 64, **SNAPSHOT)
+
+
+def test_checks_recorded_by_two_processes_at_once_keep_the_newest_and_both_in_history(
+    pg_database: str,
+) -> None:
+    """On PostgreSQL, deleting a check's row that is not there locks nothing, so another
+    process's insert of it can land before ours. (On SQLite the delete takes the database's
+    write lock: the other process waits for our commit, and no such race exists.)"""
+    from datetime import UTC, datetime
+
+    from pipeline.ledger.records import SnapshotCheckRecord
+
+    ours, theirs = Ledger.open(pg_database), Ledger(pg_database)
+    ours.register_snapshot(manifest_sha256="m" * 64, **SNAPSHOT)
+
+    def check(passed: bool) -> SnapshotCheckRecord:
+        return SnapshotCheckRecord(
+            snapshot_id=SNAPSHOT["snapshot_id"], manifest_sha256="m" * 64, check_name="schema",
+            blocking=True, passed=passed, checked_at=datetime.now(UTC),
+        )  # fmt: skip
+
+    _race_on_insert(
+        ours,
+        "snapshot_checks",
+        lambda: theirs.record_snapshot_checks(SNAPSHOT["snapshot_id"], "m" * 64, [check(False)]),
+    )
+    record = ours.record_snapshot_checks(SNAPSHOT["snapshot_id"], "m" * 64, [check(True)])
+    assert record.verdict == "passed"
+    [newest] = ours.snapshot_checks(SNAPSHOT["snapshot_id"], "m" * 64)
+    assert newest.passed
+    history = ours.snapshot_check_history(SNAPSHOT["snapshot_id"])
+    assert sorted(c.passed for c in history) == [False, True]

@@ -934,7 +934,12 @@ class Ledger:
             elif found != manifest_sha256:
                 raise SnapshotManifestChangedError(snapshot_id, found, manifest_sha256)
 
-        self._tx(_register)
+        try:
+            self._tx(_register)
+        except IntegrityError:
+            # Another process registered it between our read and our insert (two trainers
+            # starting on one new snapshot): its row stands, if it names the same manifest.
+            self._tx(_register)
         return self.get_snapshot(snapshot_id)
 
     def get_snapshot(self, snapshot_id: str) -> SnapshotRecord:
@@ -1001,7 +1006,12 @@ class Ledger:
                 .values(verdict="blocked" if blocked else "passed", verdict_at=utcnow())
             )
 
-        self._tx(_record)
+        try:
+            self._tx(_record)
+        except IntegrityError:
+            # Another process recorded the same checks between our delete and our insert: done
+            # again, the newest verdict (ours) replaces its rows, and both stay in the history.
+            self._tx(_record)
         return self.get_snapshot(snapshot_id)
 
     def snapshot_checks(self, snapshot_id: str, manifest_sha256: str) -> list[SnapshotCheckRecord]:
