@@ -99,8 +99,8 @@ def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
 
 
 # A deadline for a failure, never a timing: a two-rank start (a launcher, two interpreters
-# importing torch, DDP's TorchDynamo) took over 60 s on a slow 2-vCPU VM with the suite's four
-# workers beside it.
+# importing torch and, then, DDP's TorchDynamo) took over 60 s on a slow 2-vCPU VM with the
+# suite's four workers beside it.
 STARTUP_SECONDS = 240
 
 

@@ -62,11 +62,10 @@ class GradientAverager:
         self.bucket_bytes = bucket_bytes
         _check_same_model(model, world)
         _take_rank_zero_values(model)
-        self._hooks = [
-            param.register_post_accumulate_grad_hook(self._gradient_ready)
-            for param in model.parameters()
-            if param.requires_grad
-        ]
+        # For the process's life: the trainer builds one averager per attempt, per model.
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._gradient_ready)
         self._buffer: GradientBuffer | None = None
         self._buckets: tuple[torch.Tensor, ...] = ()
         self._bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket
@@ -103,12 +102,6 @@ class GradientAverager:
                 self._works[index].wait()
         except Exception as exc:
             raise CollectiveError("averaging the gradients", self.world.rank, exc) from exc
-
-    def close(self) -> None:
-        """Remove the hooks: the model's backward no longer starts all-reduces."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
         index = self._bucket_of.get(id(param))
