@@ -30,13 +30,12 @@ launched are launched by :meth:`finish` in bucket order.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipeline.distributed import CollectiveError
-from pipeline.trainer.gradients import GradientBuffer
+from pipeline.trainer.gradients import GradientBuffer, by_device_and_dtype
 
 if TYPE_CHECKING:
     from pipeline.distributed.world import World
@@ -70,9 +69,9 @@ class GradientAverager:
         self._buckets: tuple[torch.Tensor, ...] = ()
         self._bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket
         self._sizes: tuple[int, ...] = ()  # parameters per bucket
-        self._left: list[int] = []  # gradients each bucket still waits for, this step
+        # Gradients each bucket still waits for: empty outside a prepared step.
+        self._left: list[int] = []
         self._works: list[Any] = []  # each bucket's all-reduce, once started
-        self._order: list[int] = []  # the buckets in the order they were started
 
     def prepare(self, buffer: GradientBuffer) -> None:
         """Before backward: this step's buckets, over ``buffer`` (cut again when it changes)."""
@@ -86,7 +85,6 @@ class GradientAverager:
             }
         self._left = list(self._sizes)
         self._works = [None] * len(self._buckets)
-        self._order = []
 
     def finish(self) -> None:
         """After backward: start the buckets no hook started, then wait for every all-reduce.
@@ -97,9 +95,10 @@ class GradientAverager:
         for index, work in enumerate(self._works):
             if work is None:
                 self._start(index)
+        self._left = []  # a backward from here to the next prepare() is refused
         try:
-            for index in self._order:
-                self._works[index].wait()
+            for work in self._works:
+                work.wait()
         except Exception as exc:
             raise CollectiveError("averaging the gradients", self.world.rank, exc) from exc
 
@@ -122,7 +121,6 @@ class GradientAverager:
         bucket = self._buckets[index]
         bucket.div_(self.world.world_size)
         self._works[index] = dist.all_reduce(bucket, async_op=True)
-        self._order.append(index)
 
 
 def _check_same_model(model: torch.nn.Module, world: World) -> None:
@@ -146,18 +144,12 @@ def _take_rank_zero_values(model: torch.nn.Module) -> None:
     """Every rank's parameters and buffers become rank 0's: one broadcast per dtype and device."""
     import torch.distributed as dist
 
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    groups = by_device_and_dtype([*model.parameters(), *model.buffers()])
     with torch.no_grad():
         for tensors in groups.values():
-            flat = _flatten(tensors)
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
             dist.broadcast(flat, src=0)
             offset = 0
             for tensor in tensors:
                 tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
-
-
-def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])

@@ -19,8 +19,12 @@ buckets (:meth:`GradientBuffer.buckets`) and all-reduces each as backward fills 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T", bound=torch.Tensor)
 
 
 class GradientBuffer:
@@ -30,9 +34,7 @@ class GradientBuffer:
         self.optimizer = optimizer
         # A frozen parameter keeps no gradient: the optimizer must go on passing it by.
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
-        for param in params:
-            groups.setdefault((param.device, param.dtype), []).append(param)
+        groups = by_device_and_dtype(params)
         self._flats: list[torch.Tensor] = []
         # Each flat's parameters, in its order, with where each one's gradient starts in it.
         self._members: list[tuple[tuple[torch.nn.Parameter, int], ...]] = []
@@ -100,6 +102,15 @@ class GradientBuffer:
                     "gradient norm would be stale"
                 )
         self._checked = True
+
+
+def by_device_and_dtype(tensors: Iterable[T]) -> dict[tuple[torch.device, torch.dtype], list[T]]:
+    """``tensors`` grouped by where they live and what they hold, each group in their order:
+    the tensors one flat tensor can hold."""
+    groups: dict[tuple[torch.device, torch.dtype], list[T]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return groups
 
 
 def _squares(flat: torch.Tensor) -> float:
