@@ -258,6 +258,16 @@ class Ledger:
 
         return self._retry(_once)
 
+    def _tx_after_a_lost_race(self, fn: Callable[[Connection], T]) -> T:
+        """:meth:`_tx`, run once more where its insert lost a race on a unique key: another
+        process wrote the same row between ``fn``'s read and its insert, and ``fn``, run again,
+        reads that row (pysqlite runs a read outside the write transaction that follows it;
+        on PostgreSQL deleting an absent row locks nothing)."""
+        try:
+            return self._tx(fn)
+        except IntegrityError:
+            return self._tx(fn)
+
     def _retry(self, fn: Callable[[], T]) -> T:
         """``fn()``, run again while it fails with a transient database error, within budget."""
         deadline = time.monotonic() + _retry_budget()
@@ -934,12 +944,9 @@ class Ledger:
             elif found != manifest_sha256:
                 raise SnapshotManifestChangedError(snapshot_id, found, manifest_sha256)
 
-        try:
-            self._tx(_register)
-        except IntegrityError:
-            # Another process registered it between our read and our insert (two trainers
-            # starting on one new snapshot): its row stands, if it names the same manifest.
-            self._tx(_register)
+        # Two trainers starting on one new snapshot: the other's row stands, if it names the
+        # same manifest.
+        self._tx_after_a_lost_race(_register)
         return self.get_snapshot(snapshot_id)
 
     def get_snapshot(self, snapshot_id: str) -> SnapshotRecord:
@@ -1006,12 +1013,9 @@ class Ledger:
                 .values(verdict="blocked" if blocked else "passed", verdict_at=utcnow())
             )
 
-        try:
-            self._tx(_record)
-        except IntegrityError:
-            # Another process recorded the same checks between our delete and our insert: done
-            # again, the newest verdict (ours) replaces its rows, and both stay in the history.
-            self._tx(_record)
+        # Done again after another process's insert: the newest verdict (ours) replaces its
+        # rows, and both stay in the history.
+        self._tx_after_a_lost_race(_record)
         return self.get_snapshot(snapshot_id)
 
     def snapshot_checks(self, snapshot_id: str, manifest_sha256: str) -> list[SnapshotCheckRecord]:
