@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import random
 import shutil
 import socket
 import subprocess
@@ -37,10 +38,31 @@ def _major(path: Path) -> int:
     return int(path.name) if path.name.isdigit() else -1
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out for port 0 and for outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(low), int(high) + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+
+
+def _free_port(rng: random.Random) -> int:
+    """A free port below the kernel's ephemeral range.
+
+    Not port 0: that port comes from the range every outgoing connection and every other
+    test's server draws from, and the drill stops its server ten times, each time leaving the
+    port free for one of them to take (a start failed so in CI: "could not start server").
+    """
+    ephemeral = _ephemeral_ports()
+    while True:
+        port = rng.randrange(20000, min(ephemeral.start, 32768))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class PrivatePostgres:
@@ -50,7 +72,8 @@ class PrivatePostgres:
         self._bin = _bindir()
         self.root = Path(tempfile.mkdtemp(prefix="tracks-pg-"))
         self.data = self.root / "data"
-        self.port = _free_port()
+        self._rng = random.Random()
+        self.port = _free_port(self._rng)
         self._as_root = os.geteuid() == 0
         if self._as_root:
             account = pwd.getpwnam(SERVER_USER)
@@ -83,8 +106,29 @@ class PrivatePostgres:
         )
         return done.returncode == 0
 
-    def start(self) -> None:
-        self._pg_ctl("start")
+    def start(self, attempts: int = 5) -> None:
+        """Start the server, on another free port where its own was taken in the meantime."""
+        for attempt in range(attempts):
+            try:
+                self._start_once()
+                return
+            except RuntimeError as exc:
+                if "could not bind" not in str(exc) or attempt == attempts - 1:
+                    raise
+                self.port = _free_port(self._rng)
+
+    def _start_once(self) -> None:
+        try:
+            self._pg_ctl("start")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\nserver.log ends:\n{self.log_tail()}") from exc
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = (self.root / "server.log").read_text(errors="replace")
+        except OSError:
+            return "(no server.log)"
+        return "\n".join(text.splitlines()[-lines:])
 
     def restart(self, down_for: float = 0.0) -> float:
         """Stop (fast: dirty buffers are flushed first), stay down ``down_for`` seconds, start.
@@ -94,7 +138,7 @@ class PrivatePostgres:
         started = time.monotonic()
         self._pg_ctl("stop")
         time.sleep(down_for)
-        self._pg_ctl("start")
+        self._start_once()
         while not self.ready():
             time.sleep(0.1)
         return time.monotonic() - started
