@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -190,6 +191,36 @@ def test_a_racing_registration_of_another_manifest_is_still_refused(ledger_url: 
     )
     with pytest.raises(SnapshotManifestChangedError, match=r"n{64}"):
         ours.register_snapshot(manifest_sha256="m" * 64, **SNAPSHOT)
+
+
+def test_two_processes_merging_one_attempts_placement_at_once_keep_both_fields(
+    ledger_url: str,
+) -> None:
+    """A read-modify-write of the placement: the other process's merge comes between this
+    one's read and its write. Neither field may be lost: on SQLite this one's transaction fails
+    at its write (its snapshot is stale) and runs again; on PostgreSQL its read locked the row,
+    so the other merge waits for this one's commit and reads it."""
+    ours, theirs = Ledger.open(ledger_url), Ledger(ledger_url)
+    _run(ours)
+    ours.begin_attempt("run-1", _start())
+    other: list[threading.Thread] = []
+
+    @sa.event.listens_for(ours.engine, "before_cursor_execute")
+    def _interleave(*args: object) -> None:
+        if not other and str(args[2]).startswith("UPDATE training_attempts SET placement"):
+            merge = threading.Thread(
+                target=theirs.merge_placement, args=("run-1", 1, {"resharded_from": 2})
+            )
+            other.append(merge)
+            merge.start()
+            merge.join(timeout=1.0)  # SQLite: it lands now; PostgreSQL: it waits for our lock
+
+    ours.merge_placement("run-1", 1, {"world_size": 4})
+    other[0].join(timeout=60)
+    assert not other[0].is_alive()
+    placement = ours.get_attempt("run-1", 1).placement
+    assert placement["world_size"] == 4 and placement["resharded_from"] == 2, placement
+    assert placement["host"] == "test"
 
 
 def test_checks_recorded_by_two_processes_at_once_keep_the_newest_and_both_in_history(

@@ -130,12 +130,27 @@ def _make_engine(url: str) -> Engine:
 
         @sa.event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-            # WAL lets the trainer write heartbeats while the webserver reads.
+            # pysqlite's own transaction handling emits BEGIN only before an INSERT, UPDATE or
+            # DELETE: every SELECT ran outside the transaction that followed it, so a read and
+            # the write it decided could straddle another process's commit (two trainers both
+            # found a new snapshot unregistered, 2026-11-28). Off, so that SQLAlchemy's
+            # transactions are SQLite's (the ``begin`` listener below), as SQLAlchemy's SQLite
+            # dialect documents for serializable isolation.
+            dbapi_conn.isolation_level = None
             cursor = dbapi_conn.cursor()
+            # WAL lets the trainer write heartbeats while the webserver reads.
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA busy_timeout=30000")
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
+
+        @sa.event.listens_for(engine, "begin")
+        def _sqlite_begin(conn: Connection) -> None:
+            # Deferred: a transaction that reads, then writes after another process committed,
+            # fails "database is locked" at its write (WAL's stale snapshot) and is run again
+            # whole by Ledger._retry, reading what the other one wrote. Writers wait for each
+            # other under busy_timeout; readers never wait.
+            conn.exec_driver_sql("BEGIN")
 
         return engine
     return sa.create_engine(url, pool_pre_ping=True, pool_recycle=1800)
@@ -261,8 +276,8 @@ class Ledger:
     def _tx_after_a_lost_race(self, fn: Callable[[Connection], T]) -> T:
         """:meth:`_tx`, run once more where its insert lost a race on a unique key: another
         process wrote the same row between ``fn``'s read and its insert, and ``fn``, run again,
-        reads that row (pysqlite runs a read outside the write transaction that follows it;
-        on PostgreSQL deleting an absent row locks nothing)."""
+        reads that row (PostgreSQL's READ COMMITTED lets a transaction read before another's
+        insert commits and insert after it; deleting an absent row locks nothing either)."""
         try:
             return self._tx(fn)
         except IntegrityError:
@@ -644,8 +659,13 @@ class Ledger:
         t = schema.training_attempts
 
         def _merge(conn: Any) -> None:
+            # Read and rewritten in one transaction, the row locked on PostgreSQL (FOR UPDATE;
+            # SQLite's transaction is serializable): a merge by another process in between
+            # would otherwise be overwritten with what this one read before it.
             current = conn.execute(
-                sa.select(t.c.placement).where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
+                sa.select(t.c.placement)
+                .where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
+                .with_for_update()
             ).scalar_one_or_none()
             conn.execute(
                 sa.update(t)
