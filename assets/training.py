@@ -448,14 +448,21 @@ _ENDING_STATUSES = (dg.DagsterRunStatus.CANCELING, dg.DagsterRunStatus.CANCELED)
 def _may_continue_in_place(
     context: dg.AssetExecutionContext, book: Any, config: TrainingRunConfig, finished: Any
 ) -> bool:
-    """Whether this step opens the next attempt itself: the launch allows it
-    (``continue_in_run``), the decision continues the run at once
-    (:func:`pipeline.continuation.continues_in_run`), nobody is terminating this Dagster run,
-    and the ended attempt is still the run's newest (no other launch carried the run on)."""
+    """Whether this step opens the next attempt itself: this step ended the attempt (the resume
+    sensor did not, first), the launch allows it (``continue_in_run``), the decision continues
+    the run at once (:func:`pipeline.continuation.continues_in_run`), nobody is terminating
+    this Dagster run, and the ended attempt is still the run's newest (no other launch carried
+    the run on)."""
     from pipeline.continuation import IN_RUN_MAX_BACKOFF_SECONDS, continues_in_run
     from pipeline.states import RunStatus
 
     decision, ended = finished.decision, finished.attempt
+    if not finished.ended_here:
+        context.log.info(
+            f"attempt {ended.key} was ended by another process first ({ended.termination_reason}"
+            "): its decision stands, and that process carries the run on"
+        )
+        return False
     if not config.continue_in_run or not continues_in_run(decision):
         if config.continue_in_run and decision.backoff_seconds > IN_RUN_MAX_BACKOFF_SECONDS:
             context.log.info(

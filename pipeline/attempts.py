@@ -21,7 +21,14 @@ from pipeline.data.snapshot import Snapshot
 from pipeline.distributed.ranks import ranks_summary_path
 from pipeline.environment import code_commit, container_digest, placement
 from pipeline.fencing import newer_attempt
-from pipeline.ledger import AttemptRecord, AttemptStart, CheckpointRecord, Ledger, RunRecord
+from pipeline.ledger import (
+    AttemptAlreadyEndedError,
+    AttemptRecord,
+    AttemptStart,
+    CheckpointRecord,
+    Ledger,
+    RunRecord,
+)
 from pipeline.ledger.notes import note_text
 from pipeline.reasons import (
     AttemptEvidence,
@@ -41,8 +48,9 @@ from pipeline.retry import (
     RetryPolicy,
     config_changes,
     decide,
+    decide_from_ledger,
+    end_with_decision,
     policy_for_run,
-    record_decision,
 )
 from pipeline.states import Purpose, RunStatus, TerminationReason
 from pipeline.trainer.attempt import last_words_path
@@ -105,6 +113,9 @@ class FinishedAttempt:
     attempt: AttemptRecord
     termination: Termination
     decision: RetryDecision
+    # False where another process ended the attempt first (its ending and decision are the
+    # ones above): that process carries the run on, never this one.
+    ended_here: bool = True
 
     @property
     def succeeded(self) -> bool:
@@ -417,17 +428,20 @@ def end_self_owned_attempt(
             )
         )
     )
-    ended = ledger.end_attempt(
-        run_id,
-        attempt_no,
-        termination_reason=termination.reason,
-        termination_detail=termination.detail,
-        exit_code=exit_code,
-        signal=found.signal,
-        gpu_seconds=gpu_seconds,
-        cpu_seconds=cpu_seconds,
-        last_step=last_step,
-    )
+    try:
+        ended = ledger.end_attempt(
+            run_id,
+            attempt_no,
+            termination_reason=termination.reason,
+            termination_detail=termination.detail,
+            exit_code=exit_code,
+            signal=found.signal,
+            gpu_seconds=gpu_seconds,
+            cpu_seconds=cpu_seconds,
+            last_step=last_step,
+        )
+    except AttemptAlreadyEndedError:
+        return None  # closed meanwhile (the resume sensor): that ending stands
     from pipeline.tracking import mirror_in_trainer_env
 
     mirror_in_trainer_env(ledger, run_id, attempt_no)  # MLflow's run follows the ledger
@@ -496,35 +510,84 @@ def finish_attempt(
     termination = found.told(termination)
     if placement:
         ledger.merge_placement(run_id, attempt_no, dict(placement))
-    accelerators = accelerators_held(ledger.get_attempt(run_id, attempt_no).placement or {})
-    ended = ledger.end_attempt(
-        run_id,
-        attempt_no,
-        termination_reason=termination.reason,
-        termination_detail=termination.detail,
-        exit_code=returncode,
-        signal=signal_name,
-        # Kubernetes: time queued for a node is not GPU time; the cluster says when it was.
-        gpu_seconds=accelerators
-        * (
-            observed.accelerator_wall_seconds
-            if observed is not None and observed.accelerator_wall_seconds is not None
-            else wall
-        ),
-        cpu_seconds=cpu_seconds,
-        last_step=reached,
-    )
-    decision = decide(
-        policy_for_run(prepared.run),
-        ledger.attempts(run_id),
-        ended,
-        checkpoints=ledger.checkpoints(run_id),
-    )
-    record_decision(ledger, ended, decision)
+    current = ledger.get_attempt(run_id, attempt_no)
+    accelerators = accelerators_held(current.placement or {})
+
+    policy = policy_for_run(prepared.run)
+    try:
+        _, decision = end_with_decision(
+            ledger,
+            current,
+            lambda ended: decide_from_ledger(ledger, policy, ended),
+            termination_reason=termination.reason,
+            termination_detail=termination.detail,
+            exit_code=returncode,
+            signal=signal_name,
+            # Kubernetes: time queued for a node is not GPU time; the cluster says when it was.
+            gpu_seconds=accelerators
+            * (
+                observed.accelerator_wall_seconds
+                if observed is not None and observed.accelerator_wall_seconds is not None
+                else wall
+            ),
+            cpu_seconds=cpu_seconds,
+            last_step=reached,
+        )
+    except AttemptAlreadyEndedError:
+        return _ended_elsewhere(ledger, prepared, termination, returncode, signal_name)
     if termination.reason == TerminationReason.SUCCEEDED:
         ledger.set_run_status(run_id, RunStatus.TRAINED)
     elif not decision.continues:
         ledger.set_run_status(run_id, RunStatus.FAILED)
     return FinishedAttempt(
         attempt=ledger.get_attempt(run_id, attempt_no), termination=termination, decision=decision
+    )
+
+
+def _ended_elsewhere(
+    ledger: Ledger,
+    prepared: PreparedAttempt,
+    seen: Termination,
+    returncode: int | None,
+    signal_name: str | None,
+) -> FinishedAttempt:
+    """The attempt was closed by another process first (the resume sensor, finding it silent
+    past the heartbeat timeout, before its trainer's exit reached this one). That ending and
+    its decision stand, and the process that made them carries the run on; what this one saw
+    is added to the attempt as a note, so the receipt holds both."""
+    run_id, attempt_no = prepared.run.run_id, prepared.attempt.attempt_no
+    stored = ledger.get_attempt(run_id, attempt_no)
+    ending = signal_name or f"exit code {returncode}"
+    ledger.add_note(
+        run_id,
+        f"The Dagster run {prepared.attempt.dagster_run_id or '(none)'} saw this attempt's "
+        f"trainer end ({ending}; read as {seen.reason}: {seen.detail}) after another process "
+        f"had ended the attempt {stored.termination_reason}; that ending and its retry "
+        "decision stand.",
+        author="tracks",
+        source="training_attempt",
+        attempt_no=attempt_no,
+    )
+    decided = stored.retry_decision
+    return FinishedAttempt(
+        attempt=stored,
+        termination=Termination(
+            TerminationReason(stored.termination_reason or seen.reason),
+            stored.termination_detail or seen.detail,
+        ),
+        decision=RetryDecision.from_json(decided) if decided else _no_decision(stored),
+        ended_here=False,
+    )
+
+
+def _no_decision(attempt: AttemptRecord) -> RetryDecision:
+    """What stands in for a decision the process that ended the attempt did not record."""
+    return RetryDecision(
+        action=RetryAction.NONE,
+        rule="ended_elsewhere",
+        reason=f"Attempt {attempt.key} was ended by another process, which recorded no decision.",
+        termination_reason=TerminationReason(attempt.termination_reason or "cancelled"),
+        attempt_no=attempt.attempt_no,
+        budget_left={},
+        spent={},
     )

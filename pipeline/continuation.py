@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.attempts import accelerators_held, step_reached
-from pipeline.ledger import AttemptRecord, Ledger, RunRecord
+from pipeline.ledger import AttemptAlreadyEndedError, AttemptRecord, Ledger, RunRecord
 from pipeline.reasons import classify, evidence_for_attempt
 from pipeline.retry import (
     RetryAction,
     RetryDecision,
     RetryPolicyError,
-    decide,
+    decide_from_ledger,
+    end_with_decision,
     policy_for_run,
-    record_decision,
 )
 from pipeline.states import RunStatus, TerminationReason
 from pipeline.tracking import mirror_attempt
@@ -164,30 +164,30 @@ def expire_silent_attempts(
         # trainer's own process clock), and a silent trainer never reported one; wall x ranks
         # would state a measurement nobody made, while GPU-seconds are a reservation anyway.
         held = max((attempt.heartbeat_at - attempt.started_at).total_seconds(), 0.0)
-        ended = ledger.end_attempt(
-            attempt.run_id,
-            attempt.attempt_no,
-            termination_reason=termination.reason,
-            termination_detail=termination.detail,
-            signal=signal,
-            gpu_seconds=held * accelerators_held(attempt.placement or {}),
-            last_step=step_reached(ledger, attempt, reached),
-        )
         run = ledger.get_run(attempt.run_id)
+
+        def decide_for(ended: AttemptRecord, run: RunRecord = run) -> RetryDecision:
+            try:
+                policy = policy_for_run(run)
+            except RetryPolicyError as exc:
+                # A stored policy that no longer loads (written before its numbers were
+                # bounded) must not fail the tick for every run: this one stops, and says why.
+                return _stop_for_unreadable_policy(ended, exc)
+            return decide_from_ledger(ledger, policy, ended)
+
         try:
-            policy = policy_for_run(run)
-        except RetryPolicyError as exc:
-            # A stored policy that no longer loads (written before its numbers were bounded)
-            # must not fail the tick for every run: this one stops, and says why.
-            decision = _stop_for_unreadable_policy(ended, exc)
-        else:
-            decision = decide(
-                policy,
-                ledger.attempts(run.run_id),
-                ended,
-                checkpoints=ledger.checkpoints(run.run_id),
+            _, decision = end_with_decision(
+                ledger,
+                attempt,
+                decide_for,
+                termination_reason=termination.reason,
+                termination_detail=termination.detail,
+                signal=signal,
+                gpu_seconds=held * accelerators_held(attempt.placement or {}),
+                last_step=step_reached(ledger, attempt, reached),
             )
-        record_decision(ledger, ended, decision)
+        except AttemptAlreadyEndedError:
+            continue  # its own process ended it meanwhile, with what it saw: not silent after all
         if not decision.continues:
             ledger.set_run_status(run.run_id, RunStatus.FAILED)
         unmirrored = mirror_attempt(

@@ -54,15 +54,15 @@ fencing token carries the run on, so the run stays ``running`` and no budget is 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from pipeline.states import CheckpointState, TerminationReason
+from pipeline.states import CheckpointState, TerminationReason, attempt_status
 
 if TYPE_CHECKING:
     from pipeline.ledger import AttemptRecord, CheckpointRecord, EvaluationRecord, Ledger, RunRecord
@@ -727,30 +727,75 @@ def decide_evaluation(
     )
 
 
-def record_decision(ledger: Ledger, ended: AttemptRecord, decision: RetryDecision) -> None:
-    """Write ``decision`` on the attempt, keeping any earlier decision under ``previous``.
+def decide_from_ledger(ledger: Ledger, policy: RetryPolicy, ended: AttemptRecord) -> RetryDecision:
+    """:func:`decide` on the run's attempts and checkpoints as the ledger holds them now."""
+    return decide(
+        policy, ledger.attempts(ended.run_id), ended, checkpoints=ledger.checkpoints(ended.run_id)
+    )
 
-    On a rollback, the committed checkpoints newer than the rollback target are marked
-    superseded with the reason, so nothing resumes from them again.
+
+def record_decision(ledger: Ledger, ended: AttemptRecord, decision: RetryDecision) -> None:
+    """Write ``decision`` on an attempt that has ended, keeping any earlier decision under
+    ``previous`` (one ledger transaction: a decision written meanwhile is kept too), and
+    supersede what a rollback passes over (:func:`supersede_after_rollback`)."""
+    ledger.record_retry_decision(ended.run_id, ended.attempt_no, decision.to_json())
+    supersede_after_rollback(ledger, ended, decision)
+
+
+def end_with_decision(
+    ledger: Ledger,
+    attempt: AttemptRecord,
+    decide_for: Callable[[AttemptRecord], RetryDecision],
+    *,
+    termination_reason: TerminationReason,
+    termination_detail: str,
+    **ending: Any,
+) -> tuple[AttemptRecord, RetryDecision]:
+    """End the open ``attempt`` with its retry decision in the same ledger write.
+
+    ``decide_for`` gets the attempt as it reads once ended (the reason, status and
+    GPU-seconds the policy counts), so no reader sees the attempt ended and undecided, and an
+    attempt another process ended first keeps its own ending and decision
+    (:class:`~pipeline.ledger.AttemptAlreadyEndedError`). ``ending`` is the rest of
+    :meth:`~pipeline.ledger.Ledger.end_attempt`'s keywords.
     """
-    current = ledger.get_attempt(ended.run_id, ended.attempt_no).retry_decision
-    payload = decision.to_json()
-    if current:
-        payload["previous"] = current
-    ledger.set_retry_decision(ended.run_id, ended.attempt_no, payload)
-    if decision.action == RetryAction.ROLLBACK:
-        committed = ledger.checkpoints(ended.run_id, [CheckpointState.COMMITTED])
-        target = next((c for c in committed if c.path == decision.resume_from), None)
-        if target is None and decision.resume_from == "previous committed" and committed:
-            target = committed[-2] if len(committed) >= 2 else committed[-1]
-        if target is None:
-            return  # nothing committed to roll back to: the next attempt starts fresh
-        for c in committed:
-            if (c.step, c.attempt_no) > (target.step, target.attempt_no):
-                ledger.set_checkpoint_state(
-                    ended.run_id,
-                    c.path,
-                    CheckpointState.SUPERSEDED,
-                    f"rolled back past it to step {target.step} after attempt "
-                    f"{ended.attempt_no} diverged (rule {decision.rule})",
-                )
+    preview = replace(
+        attempt,
+        status=str(attempt_status(termination_reason)),
+        termination_reason=str(termination_reason),
+        termination_detail=termination_detail,
+        gpu_seconds=float(ending.get("gpu_seconds") or 0.0),
+    )
+    decision = decide_for(preview)
+    ended = ledger.end_attempt(
+        attempt.run_id,
+        attempt.attempt_no,
+        termination_reason=termination_reason,
+        termination_detail=termination_detail,
+        retry_decision=decision.to_json(),
+        **ending,
+    )
+    supersede_after_rollback(ledger, ended, decision)
+    return ended, decision
+
+
+def supersede_after_rollback(ledger: Ledger, ended: AttemptRecord, decision: RetryDecision) -> None:
+    """On a rollback, mark the committed checkpoints newer than its target superseded, with
+    the reason, so nothing resumes from them again."""
+    if decision.action != RetryAction.ROLLBACK:
+        return
+    committed = ledger.checkpoints(ended.run_id, [CheckpointState.COMMITTED])
+    target = next((c for c in committed if c.path == decision.resume_from), None)
+    if target is None and decision.resume_from == "previous committed" and committed:
+        target = committed[-2] if len(committed) >= 2 else committed[-1]
+    if target is None:
+        return  # nothing committed to roll back to: the next attempt starts fresh
+    for c in committed:
+        if (c.step, c.attempt_no) > (target.step, target.attempt_no):
+            ledger.set_checkpoint_state(
+                ended.run_id,
+                c.path,
+                CheckpointState.SUPERSEDED,
+                f"rolled back past it to step {target.step} after attempt "
+                f"{ended.attempt_no} diverged (rule {decision.rule})",
+            )

@@ -45,6 +45,13 @@ class TerminationReason(StrEnum):
     HUNG = "hung"  # a rank made no step progress past its watchdog's threshold (exit 81)
 
 
+def attempt_status(reason: TerminationReason | str) -> AttemptStatus:
+    """The status of an attempt that ended for ``reason``: succeeded, or failed."""
+    if reason == TerminationReason.SUCCEEDED:
+        return AttemptStatus.SUCCEEDED
+    return AttemptStatus.FAILED
+
+
 class CheckpointState(StrEnum):
     WRITING = "writing"
     COMMITTED = "committed"

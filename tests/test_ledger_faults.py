@@ -88,7 +88,18 @@ def test_a_begin_attempt_whose_commit_answer_was_lost_is_not_repeated(
 
 
 def test_last_step_is_the_step_reached_and_never_goes_down(tmp_path: Path) -> None:
-    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    ledger = _one_open_attempt(f"sqlite:///{tmp_path / 'l.db'}")
+    ledger.heartbeat("r1", 1, step=140)
+    ledger.heartbeat("r1", 1, step=120)  # a late, older heartbeat
+    ended = ledger.end_attempt(
+        "r1", 1, termination_reason=TerminationReason.PREEMPTED, termination_detail="SIGKILL",
+        last_step=100,  # the last commit
+    )  # fmt: skip
+    assert ended.last_step == 140
+
+
+def _one_open_attempt(ledger_url: str) -> Ledger:
+    ledger = Ledger.open(ledger_url)
     ledger.create_run(
         run_id="r1", model_family="digits-cnn", owner="t", purpose="baseline",
         config_sha256="c" * 64, snapshot_id="digits-0123456789abcdef",
@@ -98,10 +109,71 @@ def test_last_step_is_the_step_reached_and_never_goes_down(tmp_path: Path) -> No
         AttemptStart(config_snapshot={}, config_sha256="c" * 64, data_manifest_sha256="d" * 64,
                      container_digest="env"),
     )  # fmt: skip
-    ledger.heartbeat("r1", 1, step=140)
-    ledger.heartbeat("r1", 1, step=120)  # a late, older heartbeat
+    return ledger
+
+
+def test_an_end_whose_commit_answer_was_lost_is_its_own_and_not_a_second_closer(
+    ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retried end finds the attempt ended by its own first try: that is success, not
+    another process's ending."""
+    ledger = _one_open_attempt(ledger_url)
+    flaky = _LosesTheFirstCommitAnswer(ledger.engine)
+    monkeypatch.setattr(ledger, "engine", flaky)
     ended = ledger.end_attempt(
-        "r1", 1, termination_reason=TerminationReason.PREEMPTED, termination_detail="SIGKILL",
-        last_step=100,  # the last commit
+        "r1", 1, termination_reason=TerminationReason.PREEMPTED, termination_detail="SIGTERM",
+        retry_decision={"action": "resume", "rule": "preempted_resume"},
     )  # fmt: skip
-    assert ended.last_step == 140
+    assert flaky.lost == 1
+    assert ended.termination_reason == "preempted"
+    assert ended.retry_decision == {"action": "resume", "rule": "preempted_resume"}
+
+
+def test_an_attempt_another_process_ended_keeps_that_ending(ledger_url: str) -> None:
+    """The resume sensor closed a silent attempt; its launcher's late ending is refused, and
+    the first ending and decision stand whole."""
+    from pipeline.ledger import AttemptAlreadyEndedError
+
+    ledger = _one_open_attempt(ledger_url)
+    first = ledger.end_attempt(
+        "r1", 1, termination_reason=TerminationReason.PREEMPTED,
+        termination_detail="heartbeat lost", retry_decision={"action": "resume"},
+    )  # fmt: skip
+    with pytest.raises(AttemptAlreadyEndedError, match=r"r1#1 was already ended \(preempted"):
+        Ledger(ledger_url).end_attempt(
+            "r1", 1, termination_reason=TerminationReason.USER_CODE_ERROR,
+            termination_detail="exit code 1", exit_code=1,
+        )  # fmt: skip
+    assert ledger.get_attempt("r1", 1) == first
+
+
+def test_two_decisions_on_one_attempt_at_once_keep_each_other(ledger_url: str) -> None:
+    """A decision written while another decider read the attempt is kept under ``previous``:
+    neither decider's record is lost."""
+    import threading
+
+    ledger = _one_open_attempt(ledger_url)
+    ledger.end_attempt(
+        "r1", 1, termination_reason=TerminationReason.PREEMPTED, termination_detail="SIGTERM",
+        retry_decision={"rule": "first"},
+    )  # fmt: skip
+    theirs = Ledger(ledger_url)
+    other: list[threading.Thread] = []
+
+    @sa.event.listens_for(ledger.engine, "before_cursor_execute")
+    def _interleave(*args: object) -> None:
+        if not other and str(args[2]).startswith("UPDATE training_attempts SET retry_decision"):
+            decide = threading.Thread(
+                target=theirs.record_retry_decision, args=("r1", 1, {"rule": "theirs"})
+            )
+            other.append(decide)
+            decide.start()
+            decide.join(timeout=1.0)  # SQLite: it lands now; PostgreSQL: it waits for our lock
+
+    ledger.record_retry_decision("r1", 1, {"rule": "ours"})
+    other[0].join(timeout=60)
+    chain, rules = ledger.get_attempt("r1", 1).retry_decision, []
+    while chain:
+        rules.append(chain["rule"])
+        chain = chain.get("previous")
+    assert sorted(rules) == ["first", "ours", "theirs"] and rules[-1] == "first", rules

@@ -191,3 +191,44 @@ def test_no_final_checkpoint_without_a_succeeded_attempt(
 ) -> None:
     first = _after_an_oom_at_step_200(ledger, snapshot, tmp_path)
     assert ledger.latest_committed_checkpoint(first.run.run_id, final=True) is None
+
+
+def test_a_sigkill_seen_after_the_sensor_closed_the_silent_attempt_adds_a_note_only(
+    ledger: Ledger, snapshot: Snapshot, tmp_path: Path
+) -> None:
+    """The resume sensor found the attempt silent past the timeout and closed it, with its
+    decision; then the Dagster run that launched it saw its trainer die. The first ending and
+    decision stand (one decision, no second one nested under it), what the Dagster run saw is a
+    note on the attempt, and the Dagster run does not carry the run on too."""
+    prepared = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
+    later = datetime.now(UTC) + timedelta(hours=1)
+    [closed] = expire_silent_attempts(ledger, 60, now=later)
+    finished = finish_attempt(
+        ledger, prepared, store=tmp_path / "store", returncode=-9, signal_name="SIGKILL"
+    )
+    assert not finished.ended_here
+    assert finished.attempt == ledger.get_attempt(closed.run_id, 1)
+    assert finished.attempt.termination_detail == closed.termination_detail
+    assert finished.decision.to_json() == closed.retry_decision
+    assert "previous" not in closed.retry_decision
+    [note] = ledger.notes(closed.run_id)
+    assert note.attempt_no == 1 and "saw this attempt's trainer end (SIGKILL" in note.text
+    assert f"had ended the attempt {closed.termination_reason}" in note.text
+
+
+def test_an_attempt_ended_by_its_launcher_while_the_sensor_judged_it_silent_stays_as_ended(
+    ledger: Ledger, snapshot: Snapshot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sensor read the attempt as silent; before it closed it, the Dagster run that
+    launched it ended it with the exit it saw. The sensor leaves it alone."""
+    prepared = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
+    later = datetime.now(UTC) + timedelta(hours=1)
+    silent = ledger.silent_attempts(60, now=later)
+    finished = finish_attempt(
+        ledger, prepared, store=tmp_path / "store", returncode=-9, signal_name="SIGKILL"
+    )
+    monkeypatch.setattr(ledger, "silent_attempts", lambda *_a, **_k: silent)  # read before
+    assert expire_silent_attempts(ledger, 60, now=later) == []
+    assert ledger.get_attempt(prepared.run.run_id, 1) == finished.attempt
+    assert finished.ended_here and finished.attempt.signal == "SIGKILL"
+    assert finished.attempt.retry_decision == finished.decision.to_json()

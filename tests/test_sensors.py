@@ -333,8 +333,19 @@ def test_a_continuation_runs_on_the_trainer_its_dagster_run_had_or_is_refused(
 
 
 def _corrupt_backoff(ledger: Ledger, run_id: str, seconds: float) -> None:
+    """A row edited behind the ledger's back (no ledger method writes such a wait)."""
+    import sqlalchemy as sa
+
+    from pipeline.ledger import schema
+
     stored = dict(ledger.get_attempt(run_id, 1).retry_decision)
-    ledger.set_retry_decision(run_id, 1, {**stored, "backoff_seconds": seconds})
+    t = schema.training_attempts
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            sa.update(t)
+            .where(t.c.run_id == run_id, t.c.attempt_no == 1)
+            .values(retry_decision={**stored, "backoff_seconds": seconds})
+        )
 
 
 def test_a_decision_whose_wait_is_no_time_is_skipped_and_the_others_resume(

@@ -1,6 +1,7 @@
 """The attempt receipt: runs, attempts, checkpoints, evaluations and promotions."""
 
 from pipeline.ledger.errors import (
+    AttemptAlreadyEndedError,
     LedgerError,
     SnapshotManifestChangedError,
     StaleFencingTokenError,
@@ -25,6 +26,7 @@ from pipeline.ledger.records import (
 )
 
 __all__ = [
+    "AttemptAlreadyEndedError",
     "AttemptRecord",
     "AttemptStart",
     "CheckpointRecord",

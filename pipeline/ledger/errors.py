@@ -26,6 +26,19 @@ class UnknownAttemptError(LedgerError):
         self.attempt_no = attempt_no
 
 
+class AttemptAlreadyEndedError(LedgerError):
+    """An attempt that another process ended first: its ending stands, never written over."""
+
+    def __init__(self, run_id: str, attempt_no: int, reason: str | None, ended_at: object) -> None:
+        super().__init__(
+            f"attempt {run_id}#{attempt_no} was already ended ({reason}, at {ended_at}) by "
+            "another process; its ending and retry decision stand"
+        )
+        self.run_id = run_id
+        self.attempt_no = attempt_no
+        self.reason = reason
+
+
 class StaleFencingTokenError(LedgerError):
     """A checkpoint commit from an attempt that a newer attempt of the same run replaced."""
 

@@ -25,6 +25,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from pipeline import envvars, ids, redact
 from pipeline.ledger import schema
 from pipeline.ledger.errors import (
+    AttemptAlreadyEndedError,
     SnapshotManifestChangedError,
     StaleFencingTokenError,
     UnknownAttemptError,
@@ -49,6 +50,7 @@ from pipeline.ledger.records import (
     RunRecord,
     SnapshotCheckRecord,
     SnapshotRecord,
+    as_utc,
 )
 from pipeline.states import (
     AttemptStatus,
@@ -57,6 +59,7 @@ from pipeline.states import (
     Purpose,
     RunStatus,
     TerminationReason,
+    attempt_status,
 )
 
 log = logging.getLogger(__name__)
@@ -609,16 +612,19 @@ class Ledger:
         last_step: int | None = None,
         retry_decision: dict[str, Any] | None = None,
     ) -> AttemptRecord:
-        """Close an attempt with exactly one termination reason and one honest sentence."""
+        """Close an attempt with exactly one termination reason and one honest sentence.
+
+        Only an open attempt is closed: one that another process ended first (the resume
+        sensor closing a silent attempt while the Dagster run that launched it sees its trainer
+        exit) raises :class:`AttemptAlreadyEndedError`, and the first ending stands. With
+        ``retry_decision``, the decision lands in the same write, so no reader sees the
+        attempt ended without it.
+        """
         t = schema.training_attempts
-        status = (
-            AttemptStatus.SUCCEEDED
-            if termination_reason == TerminationReason.SUCCEEDED
-            else AttemptStatus.FAILED
-        )
+        ended_at = utcnow()  # once per call: a retried write whose COMMIT landed knows its own
         values: dict[str, Any] = {
-            "ended_at": utcnow(),
-            "status": str(status),
+            "ended_at": ended_at,
+            "status": str(attempt_status(termination_reason)),
             "termination_reason": str(termination_reason),
             # The sentence may quote an error that quotes a URL: stored without its password.
             "termination_detail": redact.text(termination_detail),
@@ -631,16 +637,24 @@ class Ledger:
         if last_step is not None:
             # The step reached: a commit at a lower step never hides the steps trained past it.
             values["last_step"] = _raised(t.c.last_step, last_step)
+        this = (t.c.run_id == run_id, t.c.attempt_no == attempt_no)
 
-        def _end(conn: Connection) -> int:
-            return conn.execute(
-                sa.update(t)
-                .where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
-                .values(**values)
+        def _end(conn: Connection) -> None:
+            closed = conn.execute(
+                sa.update(t).where(*this, t.c.ended_at.is_(None)).values(**values)
             ).rowcount
+            if closed == 1:
+                return
+            row = conn.execute(sa.select(t.c.ended_at, t.c.termination_reason).where(*this)).first()
+            if row is None:
+                raise UnknownAttemptError(run_id, attempt_no)
+            # Equal: this call's own write, retried after its COMMIT's answer was lost.
+            if as_utc(row.ended_at) != ended_at:
+                raise AttemptAlreadyEndedError(
+                    run_id, attempt_no, row.termination_reason, row.ended_at
+                )
 
-        if self._tx(_end) != 1:
-            raise UnknownAttemptError(run_id, attempt_no)
+        self._tx(_end)
         return self.get_attempt(run_id, attempt_no)
 
     def set_resumed_from(self, run_id: str, attempt_no: int, path: str | None) -> None:
@@ -698,15 +712,29 @@ class Ledger:
             )
         )
 
-    def set_retry_decision(self, run_id: str, attempt_no: int, decision: dict[str, Any]) -> None:
+    def record_retry_decision(
+        self, run_id: str, attempt_no: int, decision: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Write ``decision`` on an ended attempt, keeping any earlier one under ``previous``;
+        returns what was written.
+
+        Read and written in one transaction (the row locked on PostgreSQL): two deciders at
+        once each keep the other's decision, neither is lost.
+        """
         t = schema.training_attempts
-        self._tx(
-            lambda conn: conn.execute(
-                sa.update(t)
-                .where(t.c.run_id == run_id, t.c.attempt_no == attempt_no)
-                .values(retry_decision=decision)
-            )
-        )
+        this = (t.c.run_id == run_id, t.c.attempt_no == attempt_no)
+
+        def _record(conn: Connection) -> dict[str, Any]:
+            row = conn.execute(sa.select(t.c.retry_decision).where(*this).with_for_update()).first()
+            if row is None:
+                raise UnknownAttemptError(run_id, attempt_no)
+            written = dict(decision)
+            if row.retry_decision:
+                written["previous"] = row.retry_decision
+            conn.execute(sa.update(t).where(*this).values(retry_decision=written))
+            return written
+
+        return self._tx(_record)
 
     # -- checkpoints ------------------------------------------------------------------------
 

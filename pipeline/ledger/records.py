@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Any, Self
 
 
-def _utc(value: Any) -> Any:
+def as_utc(value: Any) -> Any:
     # SQLite hands back naive datetimes; everything the ledger writes is UTC.
     if isinstance(value, datetime) and value.tzinfo is None:
         return value.replace(tzinfo=UTC)
@@ -19,7 +19,7 @@ class _Record:
     def from_row(cls, row: Any) -> Self:
         mapping = row._mapping
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        return cls(**{k: _utc(v) for k, v in mapping.items() if k in names})
+        return cls(**{k: as_utc(v) for k, v in mapping.items() if k in names})
 
 
 @dataclass(frozen=True)

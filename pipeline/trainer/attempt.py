@@ -242,20 +242,35 @@ class AttemptHandle:
         if not self.owns_attempt or not self.begun or self.ledger is None:
             return
         assert self.attempt_no is not None
+        from pipeline.ledger.errors import AttemptAlreadyEndedError
+
         detail = outcome.detail
         if outcome.reason == TerminationReason.FENCED:
             detail = fenced_detail(self.ledger, self.run_id, self.attempt_no, outcome.step)
-        self.ledger.end_attempt(
-            self.run_id,
-            self.attempt_no,
-            termination_reason=outcome.reason,
-            termination_detail=detail,
-            exit_code=outcome.exit_code,
-            signal=outcome.signal,
-            cpu_seconds=cpu_seconds,
-            gpu_seconds=gpu_seconds,
-            last_step=outcome.step,
-        )
+        try:
+            self.ledger.end_attempt(
+                self.run_id,
+                self.attempt_no,
+                termination_reason=outcome.reason,
+                termination_detail=detail,
+                exit_code=outcome.exit_code,
+                signal=outcome.signal,
+                cpu_seconds=cpu_seconds,
+                gpu_seconds=gpu_seconds,
+                last_step=outcome.step,
+            )
+        except AttemptAlreadyEndedError as exc:
+            # The resume sensor found it silent and closed it first: that ending stands, and
+            # what this trainer knew is in its last words and its events.
+            self._reporter.event(
+                "attempt_already_ended",
+                {
+                    "attempt": f"{self.run_id}#{self.attempt_no}",
+                    "reason": exc.reason,
+                    "outcome": str(outcome.reason),
+                },
+                level="warning",
+            )
 
 
 def _owner() -> str:
