@@ -1,5 +1,6 @@
 """``training_attempt`` runs the trainer through Pipes; ``committed_checkpoint`` verifies it."""
 
+import dataclasses
 import math
 import resource
 import time
@@ -140,7 +141,12 @@ def training_attempt(
     trainer: TrainerLauncherResource,
     mlflow: MlflowResource,
 ) -> dg.MaterializeResult:
-    from pipeline.attempts import AttemptRefusedError, PreparedAttempt, prepare_attempt
+    from pipeline.attempts import (
+        AttemptRefusedError,
+        PreparedAttempt,
+        prepare_attempt,
+        stop_after_termination,
+    )
     from pipeline.data.errors import DataError
     from pipeline.data.gate import ensure_checks_passed
     from pipeline.data.snapshot import open_snapshot
@@ -240,39 +246,48 @@ def training_attempt(
         )
         run, attempt = prepared.run, prepared.attempt
         hosted.append(attempt.attempt_no)
-        if finished.succeeded or not _may_continue_in_place(context, book, config, finished):
+        if finished.succeeded:
+            break
+        if not _may_continue_in_place(context, book, config, finished):
+            finished = _as_recorded(book, finished)  # a termination may have decided again
             break
         # Continue in place: the next attempt of the same ledger run, opened and launched by
         # this step exactly as the resume sensor's Dagster run would open it (its last
         # attempt's config, resuming where prepare_attempt plans), on the same trainer.
         decision = finished.decision
-        if decision.backoff_seconds > 0:
-            context.log.info(f"waiting {decision.backoff_seconds:.1f}s: {decision.reason}")
-            time.sleep(decision.backoff_seconds)
-        launch = continued_in_run(
-            launch,
-            context.run_id,
-            attempt.key,
-            attempt.attempt_no,
-            str(finished.termination.reason),
-            decision.rule,
-        )
-        continued = TrainingRunConfig(
-            owner=config.owner,
-            purpose=config.purpose,
-            run_id=run.run_id,
-            retry_policy=config.retry_policy,
-            continue_in_run=config.continue_in_run,
-        )  # no train keys: the last attempt's config, as the sensor's continuation has
-        prepared = open_attempt(continued, run.run_id, launch)
-        ending = finished.attempt.signal or f"exit code {finished.attempt.exit_code}"
-        planned = prepared.planned_resume_from
-        context.log.info(
-            f"attempt {attempt.key} ended {finished.termination.reason} ({ending}); continuing "
-            f"in this run as attempt {prepared.attempt.key} from "
-            + (Path(planned.path).name if planned else "a fresh start")
-            + f" (rule {decision.rule}: {decision.reason})"
-        )
+        try:
+            if decision.backoff_seconds > 0:
+                context.log.info(f"waiting {decision.backoff_seconds:.1f}s: {decision.reason}")
+                time.sleep(decision.backoff_seconds)
+            launch = continued_in_run(
+                launch,
+                context.run_id,
+                attempt.key,
+                attempt.attempt_no,
+                str(finished.termination.reason),
+                decision.rule,
+            )
+            continued = TrainingRunConfig(
+                owner=config.owner,
+                purpose=config.purpose,
+                run_id=run.run_id,
+                retry_policy=config.retry_policy,
+                continue_in_run=config.continue_in_run,
+            )  # no train keys: the last attempt's config, as the sensor's continuation has
+            prepared = open_attempt(continued, run.run_id, launch)
+            ending = finished.attempt.signal or f"exit code {finished.attempt.exit_code}"
+            planned = prepared.planned_resume_from
+            context.log.info(
+                f"attempt {attempt.key} ended {finished.termination.reason} ({ending}); "
+                f"continuing in this run as attempt {prepared.attempt.key} from "
+                + (Path(planned.path).name if planned else "a fresh start")
+                + f" (rule {decision.rule}: {decision.reason})"
+            )
+        except DagsterExecutionInterruptedError:
+            # Terminated between two attempts: the receipt says a person stopped the run, and
+            # the resume sensor does not carry it on (pipeline.attempts.stop_after_termination).
+            stop_after_termination(book, run.run_id, attempt.attempt_no, context.run_id)
+            raise
 
     # The run's page as it stands when this attempt ends: evaluation and promotion come later,
     # and the assets that record them (evaluation, promoted_model) attach the page again then.
@@ -310,8 +325,8 @@ def training_attempt(
         metadata["retry_decision"] = decision_table
         # One owner per failure: the resume sensor continues the run (resume, retry after its
         # backoff, rollback) as the decision says, where this step did not continue it in
-        # place (a longer backoff, continue_in_run off, the run terminated); Dagster itself
-        # never retries this step.
+        # place (a longer backoff, continue_in_run off; a terminated Dagster run decided
+        # stop); Dagster itself never retries this step.
         raise dg.Failure(description=description, metadata=metadata, allow_retries=False)
 
     steps = _messages(outcome, "step") if outcome else []
@@ -376,44 +391,50 @@ def _run_attempt(
     from pipeline.tracking import mirror_attempt
 
     run, attempt = prepared.run, prepared.attempt
-    # How it was launched, before the trainer starts (and merges what only it knows).
-    book.merge_placement(
-        run.run_id, attempt.attempt_no, {"backend": backend.value, "launched_ranks": ranks}
-    )
-    contradicted = contradicted_tags(launch, run.run_id, attempt.attempt_no)
-    if contradicted:
-        context.log.warning(contradicted)
-    _tell_dagster(context, run.run_id, attempt.attempt_no, contradicted)
-    context.log.info(
-        f"attempt {attempt.key} starts"
-        + (
-            f", planning to resume from {prepared.planned_resume_from.path}"
-            if prepared.planned_resume_from
-            else ", planning a fresh start"
-        )
-    )
     outcome: TrainerExit | None = None
+    contradicted: str | None = None
     interrupted = False
     launch_error: Exception | None = None
     cpu_before = _children_cpu_seconds()
+    # From here the attempt is open in the ledger: whatever ends this step (a termination
+    # included, which can land on any line) closes its receipt in the finally below.
     try:
-        _, outcome = trainer.launch(
-            context,
-            prepared.trainer_args(storage.checkpoints()),
-            # DAGSTER_RUN_ID: the trainer tags its MLflow attempt with the Dagster run.
-            env={
-                **prepared.trainer_env(book.url, mlflow.tracking_uri, mlflow.artifact_root),
-                "DAGSTER_RUN_ID": context.run_id,
-            },
-            extras={"run_id": run.run_id, "attempt_no": attempt.attempt_no},
-            # torchrun: each rank's outcome, and the output of ranks other than 0, kept here.
-            log_dir=str(storage.work_dir("ranks", run.run_id, f"attempt-{attempt.attempt_no}")),
+        # How it was launched, before the trainer starts (and merges what only it knows).
+        book.merge_placement(
+            run.run_id, attempt.attempt_no, {"backend": backend.value, "launched_ranks": ranks}
         )
+        contradicted = contradicted_tags(launch, run.run_id, attempt.attempt_no)
+        if contradicted:
+            context.log.warning(contradicted)
+        _tell_dagster(context, run.run_id, attempt.attempt_no, contradicted)
+        context.log.info(
+            f"attempt {attempt.key} starts"
+            + (
+                f", planning to resume from {prepared.planned_resume_from.path}"
+                if prepared.planned_resume_from
+                else ", planning a fresh start"
+            )
+        )
+        try:
+            _, outcome = trainer.launch(
+                context,
+                prepared.trainer_args(storage.checkpoints()),
+                # DAGSTER_RUN_ID: the trainer tags its MLflow attempt with the Dagster run.
+                env={
+                    **prepared.trainer_env(book.url, mlflow.tracking_uri, mlflow.artifact_root),
+                    "DAGSTER_RUN_ID": context.run_id,
+                },
+                extras={"run_id": run.run_id, "attempt_no": attempt.attempt_no},
+                # torchrun: each rank's outcome, and the output of ranks other than 0, kept here.
+                log_dir=str(storage.work_dir("ranks", run.run_id, f"attempt-{attempt.attempt_no}")),
+            )
+        except DagsterExecutionInterruptedError:
+            raise
+        except Exception as exc:
+            launch_error = exc  # the launcher itself failed (a missing executable, say)
+            raise
     except DagsterExecutionInterruptedError:
         interrupted = True  # a person terminated the Dagster run
-        raise
-    except Exception as exc:
-        launch_error = exc  # the launcher itself failed (a missing executable, say)
         raise
     finally:
         # Runs when the Dagster run is terminated too: the receipt is always closed.
@@ -451,8 +472,8 @@ def _may_continue_in_place(
     """Whether this step opens the next attempt itself: this step ended the attempt (the resume
     sensor did not, first), the launch allows it (``continue_in_run``), the decision continues
     the run at once (:func:`pipeline.continuation.continues_in_run`), nobody is terminating
-    this Dagster run, and the ended attempt is still the run's newest (no other launch carried
-    the run on)."""
+    this Dagster run (which stops the run: :func:`pipeline.attempts.stop_after_termination`),
+    and the ended attempt is still the run's newest (no other launch carried the run on)."""
     from pipeline.continuation import IN_RUN_MAX_BACKOFF_SECONDS, continues_in_run
     from pipeline.states import RunStatus
 
@@ -472,8 +493,13 @@ def _may_continue_in_place(
         return False
     hosting = context.instance.get_run_by_id(context.run_id)
     if hosting is not None and hosting.status in _ENDING_STATUSES:
+        # Terminated between two attempts: a person stopped the run (so the sensor must not
+        # carry it on either), and the ended attempt's receipt says so.
+        from pipeline.attempts import stop_after_termination
+
+        stop_after_termination(book, ended.run_id, ended.attempt_no, context.run_id)
         context.log.info(
-            f"attempt {ended.key}: this Dagster run is being terminated: no continuing"
+            f"attempt {ended.key}: this Dagster run is being terminated: the run stops here"
         )
         return False
     newest = book.latest_attempt(ended.run_id)
@@ -485,6 +511,16 @@ def _may_continue_in_place(
         return False
     # A run the ended attempt's decision did not stop (failed, say, by a person) stays ended.
     return str(book.get_run(ended.run_id).status) == str(RunStatus.RUNNING)
+
+
+def _as_recorded(book: Any, finished: Any) -> Any:
+    """``finished`` with its attempt and retry decision as the ledger holds them now."""
+    from pipeline.retry import RetryDecision
+
+    attempt = book.get_attempt(finished.attempt.run_id, finished.attempt.attempt_no)
+    decided = attempt.retry_decision
+    decision = RetryDecision.from_json(decided) if decided else finished.decision
+    return dataclasses.replace(finished, attempt=attempt, decision=decision)
 
 
 def _previous_config(book: Any, run: Any, attempt_no: int) -> tuple[dict[str, Any] | None, str]:

@@ -51,6 +51,7 @@ from pipeline.retry import (
     decide_from_ledger,
     end_with_decision,
     policy_for_run,
+    record_decision,
 )
 from pipeline.states import Purpose, RunStatus, TerminationReason
 from pipeline.trainer.attempt import last_words_path
@@ -578,6 +579,56 @@ def _ended_elsewhere(
         decision=RetryDecision.from_json(decided) if decided else _no_decision(stored),
         ended_here=False,
     )
+
+
+def stop_after_termination(
+    ledger: Ledger, run_id: str, ended_attempt_no: int, dagster_run_id: str
+) -> AttemptRecord:
+    """A person terminated the Dagster run that was continuing ``run_id`` in place, after
+    attempt ``ended_attempt_no`` ended and before the next one's trainer launched. Returns the
+    attempt whose receipt now says so.
+
+    If the next attempt was already opened, it ends ``cancelled``: nothing of it ran. Otherwise
+    the ended attempt gets a second decision, ``stop``, its first kept under ``previous``: the
+    resume sensor must not carry on a run a person stopped while it waited. Either way the run
+    is failed, as after any cancellation.
+    """
+    latest = ledger.latest_attempt(run_id)
+    said = f"A person terminated Dagster run {dagster_run_id}"
+    if latest is not None and latest.attempt_no > ended_attempt_no and latest.ended_at is None:
+        policy = policy_for_run(ledger.get_run(run_id))
+        try:
+            closed, _ = end_with_decision(
+                ledger,
+                latest,
+                lambda ended: decide_from_ledger(ledger, policy, ended),
+                termination_reason=TerminationReason.CANCELLED,
+                termination_detail=f"{said} after this attempt was opened to continue the run "
+                "in place and before its trainer launched; nothing was trained.",
+            )
+        except AttemptAlreadyEndedError:
+            closed = ledger.get_attempt(run_id, latest.attempt_no)
+    else:
+        ended = ledger.get_attempt(run_id, ended_attempt_no)
+        earlier = ended.retry_decision or {}
+        record_decision(
+            ledger,
+            ended,
+            RetryDecision(
+                action=RetryAction.STOP,
+                rule="terminated_before_continuing",
+                reason=f"Stop: {said} while it waited to continue the run in place after "
+                f"attempt {ended.key}; the earlier decision ({earlier.get('action', 'none')}, "
+                f"rule {earlier.get('rule', '-')}) is kept under previous.",
+                termination_reason=TerminationReason(ended.termination_reason or "cancelled"),
+                attempt_no=ended.attempt_no,
+                budget_left=dict(earlier.get("budget_left") or {}),
+                spent=dict(earlier.get("spent") or {}),
+            ),
+        )
+        closed = ledger.get_attempt(run_id, ended_attempt_no)
+    ledger.set_run_status(run_id, RunStatus.FAILED)
+    return closed
 
 
 def _no_decision(attempt: AttemptRecord) -> RetryDecision:

@@ -232,3 +232,51 @@ def test_an_attempt_ended_by_its_launcher_while_the_sensor_judged_it_silent_stay
     assert ledger.get_attempt(prepared.run.run_id, 1) == finished.attempt
     assert finished.ended_here and finished.attempt.signal == "SIGKILL"
     assert finished.attempt.retry_decision == finished.decision.to_json()
+
+
+def test_a_termination_while_waiting_to_continue_in_place_stops_the_run(
+    ledger: Ledger, snapshot: Snapshot, tmp_path: Path
+) -> None:
+    """Attempt 1 was preempted and its Dagster run waited out the backoff to continue in place;
+    a person terminated that Dagster run during the wait. The receipt says so, and the resume
+    sensor finds nothing to continue (its decision was resume a moment before)."""
+    from pipeline.attempts import stop_after_termination
+    from pipeline.continuation import pending_continuations
+
+    prepared = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
+    run_id = prepared.run.run_id
+    finished = finish_attempt(
+        ledger, prepared, store=tmp_path / "store", returncode=-15, signal_name="SIGTERM"
+    )
+    assert finished.decision.continues
+    assert [c.run.run_id for c in pending_continuations(ledger, on_skip=print)] == [run_id]
+    stop_after_termination(ledger, run_id, 1, "dagster-run-1")
+    decision = ledger.get_attempt(run_id, 1).retry_decision
+    assert (decision["action"], decision["rule"]) == ("stop", "terminated_before_continuing")
+    assert "A person terminated Dagster run dagster-run-1 while it waited" in decision["reason"]
+    assert decision["previous"] == finished.decision.to_json()
+    assert ledger.get_run(run_id).status == "failed"
+    assert pending_continuations(ledger, on_skip=print) == []
+
+
+def test_a_termination_after_the_next_attempt_opened_cancels_it_unlaunched(
+    ledger: Ledger, snapshot: Snapshot, tmp_path: Path
+) -> None:
+    """The Dagster run had opened attempt 2 to continue in place when it was terminated, before
+    the trainer launched: attempt 2 ends cancelled, saying nothing was trained, instead of
+    staying open until the heartbeat timeout called it a preemption."""
+    from pipeline.attempts import stop_after_termination
+
+    prepared = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
+    run_id = prepared.run.run_id
+    finish_attempt(
+        ledger, prepared, store=tmp_path / "store", returncode=-15, signal_name="SIGTERM"
+    )
+    second = _begin(ledger, run_id)
+    closed = stop_after_termination(ledger, run_id, 1, "dagster-run-1")
+    assert closed.attempt_no == second.attempt_no == 2
+    assert closed.termination_reason == "cancelled"
+    assert "before its trainer launched; nothing was trained" in closed.termination_detail
+    assert closed.retry_decision["action"] == "stop"
+    assert ledger.get_attempt(run_id, 1).retry_decision["action"] == "resume"  # unchanged
+    assert ledger.get_run(run_id).status == "failed"
