@@ -43,6 +43,7 @@ from pipeline.reasons import (
     read_last_words,
 )
 from pipeline.retry import (
+    TERMINATED_BEFORE_CONTINUING,
     RetryAction,
     RetryDecision,
     RetryPolicy,
@@ -616,7 +617,7 @@ def stop_after_termination(
             ended,
             RetryDecision(
                 action=RetryAction.STOP,
-                rule="terminated_before_continuing",
+                rule=TERMINATED_BEFORE_CONTINUING,
                 reason=f"Stop: {said} while it waited to continue the run in place after "
                 f"attempt {ended.key}; the earlier decision ({earlier.get('action', 'none')}, "
                 f"rule {earlier.get('rule', '-')}) is kept under previous.",

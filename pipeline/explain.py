@@ -36,7 +36,7 @@ from pipeline.ledger import (
     SnapshotCheckRecord,
     UnknownSnapshotError,
 )
-from pipeline.retry import config_changes
+from pipeline.retry import TERMINATED_BEFORE_CONTINUING, config_changes
 from pipeline.states import PromotionDecision
 
 _STATE_WORDS = {
@@ -158,11 +158,14 @@ def _summary(
             if last.termination_reason
             else "is **still running**"
         )
-        then = (
-            f" and the retry policy decided **{decided['action']}** (rule `{decided['rule']}`)"
-            if decided
-            else ""
-        )
+        if not decided:
+            then = ""
+        elif decided.get("rule") == TERMINATED_BEFORE_CONTINUING:
+            # A person's stop, recorded as a second decision: not the retry policy's.
+            then = f"; then **{decided['action']}**: {decided.get('reason', '').rstrip('.')}"
+        else:
+            action, rule = decided["action"], decided["rule"]
+            then = f" and the retry policy decided **{action}** (rule `{rule}`)"
         out.append(f"The latest attempt, {last.attempt_no}, {ended}{then}.")
     if focus is not None:
         out.append(

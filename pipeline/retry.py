@@ -727,6 +727,11 @@ def decide_evaluation(
     )
 
 
+# The rule of the ``stop`` recorded on an ended attempt when a person terminated the Dagster run
+# that was about to continue the run in place (pipeline.attempts.stop_after_termination).
+TERMINATED_BEFORE_CONTINUING = "terminated_before_continuing"
+
+
 def decide_from_ledger(ledger: Ledger, policy: RetryPolicy, ended: AttemptRecord) -> RetryDecision:
     """:func:`decide` on the run's attempts and checkpoints as the ledger holds them now."""
     return decide(

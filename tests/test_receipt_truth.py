@@ -242,6 +242,7 @@ def test_a_termination_while_waiting_to_continue_in_place_stops_the_run(
     sensor finds nothing to continue (its decision was resume a moment before)."""
     from pipeline.attempts import stop_after_termination
     from pipeline.continuation import pending_continuations
+    from pipeline.explain import explain
 
     prepared = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
     run_id = prepared.run.run_id
@@ -257,6 +258,9 @@ def test_a_termination_while_waiting_to_continue_in_place_stops_the_run(
     assert decision["previous"] == finished.decision.to_json()
     assert ledger.get_run(run_id).status == "failed"
     assert pending_continuations(ledger, on_skip=print) == []
+    page = explain(ledger, run_id)
+    assert "ended **preempted**; then **stop**: Stop: A person terminated Dagster run" in page
+    assert "the retry policy decided **stop**" not in page
 
 
 def test_a_termination_after_the_next_attempt_opened_cancels_it_unlaunched(
