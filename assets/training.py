@@ -144,6 +144,7 @@ def training_attempt(
     from pipeline.attempts import (
         AttemptRefusedError,
         PreparedAttempt,
+        cancel_unlaunched,
         prepare_attempt,
         stop_after_termination,
     )
@@ -238,8 +239,14 @@ def training_attempt(
         except (ConfigError, RetryPolicyError, LedgerError) as exc:
             raise step_failure(str(exc), exc) from None
 
-    prepared = open_attempt(config, run_id, launch)
     hosted: list[int] = []  # the attempts this step ran, in order
+    try:
+        prepared = open_attempt(config, run_id, launch)
+    except DagsterExecutionInterruptedError:
+        # Terminated while the attempt was being opened: if its row was written, it ends
+        # cancelled now, not preempted when its heartbeat times out.
+        cancel_unlaunched(book, context.run_id)
+        raise
     while True:
         finished, outcome, contradicted = _run_attempt(
             context, book, storage, trainer, mlflow, prepared, backend, ranks, launch

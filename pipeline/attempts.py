@@ -6,6 +6,7 @@ how the trainer process is launched and how it ended.
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -520,7 +521,7 @@ def finish_attempt(
         _, decision = end_with_decision(
             ledger,
             current,
-            lambda ended: decide_from_ledger(ledger, policy, ended),
+            functools.partial(decide_from_ledger, ledger, policy),
             termination_reason=termination.reason,
             termination_detail=termination.detail,
             exit_code=returncode,
@@ -582,6 +583,32 @@ def _ended_elsewhere(
     )
 
 
+def cancel_unlaunched(ledger: Ledger, dagster_run_id: str) -> list[AttemptRecord]:
+    """End ``cancelled`` every attempt Dagster run ``dagster_run_id`` opened and has not closed:
+    a person terminated it between opening an attempt and launching its trainer (the receipt
+    of a launched trainer is closed where it is launched, termination or not). Their runs are
+    failed, as after any cancellation. Returns the attempts closed here."""
+    closed = []
+    for attempt in ledger.attempts_for_dagster_run(dagster_run_id):
+        if attempt.ended_at is not None:
+            continue
+        policy = policy_for_run(ledger.get_run(attempt.run_id))
+        try:
+            ended, _ = end_with_decision(
+                ledger,
+                attempt,
+                functools.partial(decide_from_ledger, ledger, policy),
+                termination_reason=TerminationReason.CANCELLED,
+                termination_detail=f"A person terminated Dagster run {dagster_run_id} after this "
+                "attempt was opened and before its trainer launched; nothing was trained.",
+            )
+        except AttemptAlreadyEndedError:
+            continue
+        ledger.set_run_status(attempt.run_id, RunStatus.FAILED)
+        closed.append(ended)
+    return closed
+
+
 def stop_after_termination(
     ledger: Ledger, run_id: str, ended_attempt_no: int, dagster_run_id: str
 ) -> AttemptRecord:
@@ -589,47 +616,34 @@ def stop_after_termination(
     attempt ``ended_attempt_no`` ended and before the next one's trainer launched. Returns the
     attempt whose receipt now says so.
 
-    If the next attempt was already opened, it ends ``cancelled``: nothing of it ran. Otherwise
-    the ended attempt gets a second decision, ``stop``, its first kept under ``previous``: the
-    resume sensor must not carry on a run a person stopped while it waited. Either way the run
-    is failed, as after any cancellation.
+    If the next attempt was already opened, it ends ``cancelled`` (:func:`cancel_unlaunched`).
+    Otherwise the ended attempt gets a second decision, ``stop``, its first kept under
+    ``previous``: the resume sensor must not carry on a run a person stopped while it waited.
+    Either way the run is failed, as after any cancellation.
     """
-    latest = ledger.latest_attempt(run_id)
-    said = f"A person terminated Dagster run {dagster_run_id}"
-    if latest is not None and latest.attempt_no > ended_attempt_no and latest.ended_at is None:
-        policy = policy_for_run(ledger.get_run(run_id))
-        try:
-            closed, _ = end_with_decision(
-                ledger,
-                latest,
-                lambda ended: decide_from_ledger(ledger, policy, ended),
-                termination_reason=TerminationReason.CANCELLED,
-                termination_detail=f"{said} after this attempt was opened to continue the run "
-                "in place and before its trainer launched; nothing was trained.",
-            )
-        except AttemptAlreadyEndedError:
-            closed = ledger.get_attempt(run_id, latest.attempt_no)
-    else:
-        ended = ledger.get_attempt(run_id, ended_attempt_no)
-        earlier = ended.retry_decision or {}
-        record_decision(
-            ledger,
-            ended,
-            RetryDecision(
-                action=RetryAction.STOP,
-                rule=TERMINATED_BEFORE_CONTINUING,
-                reason=f"Stop: {said} while it waited to continue the run in place after "
-                f"attempt {ended.key}; the earlier decision ({earlier.get('action', 'none')}, "
-                f"rule {earlier.get('rule', '-')}) is kept under previous.",
-                termination_reason=TerminationReason(ended.termination_reason or "cancelled"),
-                attempt_no=ended.attempt_no,
-                budget_left=dict(earlier.get("budget_left") or {}),
-                spent=dict(earlier.get("spent") or {}),
-            ),
-        )
-        closed = ledger.get_attempt(run_id, ended_attempt_no)
+    opened = cancel_unlaunched(ledger, dagster_run_id)
+    if opened:
+        return opened[-1]
+    ended = ledger.get_attempt(run_id, ended_attempt_no)
+    earlier = ended.retry_decision or {}
+    record_decision(
+        ledger,
+        ended,
+        RetryDecision(
+            action=RetryAction.STOP,
+            rule=TERMINATED_BEFORE_CONTINUING,
+            reason=f"Stop: A person terminated Dagster run {dagster_run_id} while it waited to "
+            f"continue the run in place after attempt {ended.key}; the earlier decision "
+            f"({earlier.get('action', 'none')}, rule {earlier.get('rule', '-')}) is kept under "
+            "previous.",
+            termination_reason=TerminationReason(ended.termination_reason or "cancelled"),
+            attempt_no=ended.attempt_no,
+            budget_left=dict(earlier.get("budget_left") or {}),
+            spent=dict(earlier.get("spent") or {}),
+        ),
+    )
     ledger.set_run_status(run_id, RunStatus.FAILED)
-    return closed
+    return ledger.get_attempt(run_id, ended_attempt_no)
 
 
 def _no_decision(attempt: AttemptRecord) -> RetryDecision:

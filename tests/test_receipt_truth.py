@@ -61,10 +61,12 @@ def _end(ledger: Ledger, attempt: AttemptRecord, reason: TerminationReason) -> N
     )
 
 
-def _begin(ledger: Ledger, run_id: str, placement: dict | None = None) -> AttemptRecord:
+def _begin(
+    ledger: Ledger, run_id: str, placement: dict | None = None, dagster_run_id: str | None = None
+) -> AttemptRecord:
     start = AttemptStart(
         config_snapshot={}, config_sha256="c" * 64, data_manifest_sha256="d" * 64,
-        container_digest="env", placement=placement or {},
+        container_digest="env", placement=placement or {}, dagster_run_id=dagster_run_id,
     )  # fmt: skip
     return ledger.begin_attempt(run_id, start)
 
@@ -276,7 +278,7 @@ def test_a_termination_after_the_next_attempt_opened_cancels_it_unlaunched(
     finish_attempt(
         ledger, prepared, store=tmp_path / "store", returncode=-15, signal_name="SIGTERM"
     )
-    second = _begin(ledger, run_id)
+    second = _begin(ledger, run_id, dagster_run_id="dagster-run-1")
     closed = stop_after_termination(ledger, run_id, 1, "dagster-run-1")
     assert closed.attempt_no == second.attempt_no == 2
     assert closed.termination_reason == "cancelled"
@@ -284,3 +286,31 @@ def test_a_termination_after_the_next_attempt_opened_cancels_it_unlaunched(
     assert closed.retry_decision["action"] == "stop"
     assert ledger.get_attempt(run_id, 1).retry_decision["action"] == "resume"  # unchanged
     assert ledger.get_run(run_id).status == "failed"
+
+
+def test_an_attempt_opened_by_a_terminated_dagster_run_before_its_launch_ends_cancelled(
+    ledger: Ledger, snapshot: Snapshot, tmp_path: Path
+) -> None:
+    """The Dagster run was terminated while it opened its first attempt (the row written, the
+    trainer not launched): that attempt ends cancelled, once; another Dagster run's open attempt
+    is not touched."""
+    from pipeline.attempts import cancel_unlaunched
+
+    opened = prepare_attempt(
+        ledger, snapshot=snapshot, train_config=_config(snapshot), work_root=tmp_path / "work",
+        dagster_run_id="dagster-run-9",
+    )  # fmt: skip
+    other = prepare_attempt(
+        ledger, snapshot=snapshot, train_config=_config(snapshot), work_root=tmp_path / "work",
+        dagster_run_id="dagster-run-10",
+    )  # fmt: skip
+    [closed] = cancel_unlaunched(ledger, "dagster-run-9")
+    assert closed.key == opened.attempt.key and closed.termination_reason == "cancelled"
+    assert closed.termination_detail == (
+        "A person terminated Dagster run dagster-run-9 after this attempt was opened and before "
+        "its trainer launched; nothing was trained."
+    )
+    assert closed.retry_decision["action"] == "stop"
+    assert ledger.get_run(opened.run.run_id).status == "failed"
+    assert cancel_unlaunched(ledger, "dagster-run-9") == []
+    assert ledger.get_attempt(other.run.run_id, 1).ended_at is None
