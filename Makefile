@@ -33,8 +33,9 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Three workers on two cores, slow tests first (tests/conftest.py): the slow tests spend much
-# of their time waiting on processes they started, so two workers left a third of the CPU idle.
+# Four workers on two cores, slow tests first (tests/conftest.py): the slow tests spend much of
+# their time waiting on processes they started; two workers left a third of the CPU idle, three
+# still some, five only made each test slower (bench/results/2026-11-27-make-test-night.md).
 test: lint browser
 	$(BIN)/pytest -n 4 --dist worksteal --durations=25
 
