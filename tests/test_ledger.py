@@ -193,6 +193,26 @@ def test_a_racing_registration_of_another_manifest_is_still_refused(ledger_url: 
         ours.register_snapshot(manifest_sha256="m" * 64, **SNAPSHOT)
 
 
+def _land_during(
+    ledger: Ledger, statement_prefix: str, write: Callable[[], object]
+) -> list[threading.Thread]:
+    """Start ``write`` (another process's, through its own ledger) once, just before ``ledger``
+    runs a statement starting with ``statement_prefix``, and give it a second to land first:
+    another process's write between this one's read and its write. On SQLite it lands; on
+    PostgreSQL, where this transaction's read locked the row, it waits for this one's commit.
+    The returned list holds its thread once started."""
+    other: list[threading.Thread] = []
+
+    @sa.event.listens_for(ledger.engine, "before_cursor_execute")
+    def _interleave(*args: object) -> None:
+        if not other and str(args[2]).startswith(statement_prefix):
+            other.append(threading.Thread(target=write))
+            other[0].start()
+            other[0].join(timeout=1.0)
+
+    return other
+
+
 def test_two_processes_merging_one_attempts_placement_at_once_keep_both_fields(
     ledger_url: str,
 ) -> None:
@@ -203,24 +223,41 @@ def test_two_processes_merging_one_attempts_placement_at_once_keep_both_fields(
     ours, theirs = Ledger.open(ledger_url), Ledger(ledger_url)
     _run(ours)
     ours.begin_attempt("run-1", _start())
-    other: list[threading.Thread] = []
-
-    @sa.event.listens_for(ours.engine, "before_cursor_execute")
-    def _interleave(*args: object) -> None:
-        if not other and str(args[2]).startswith("UPDATE training_attempts SET placement"):
-            merge = threading.Thread(
-                target=theirs.merge_placement, args=("run-1", 1, {"resharded_from": 2})
-            )
-            other.append(merge)
-            merge.start()
-            merge.join(timeout=1.0)  # SQLite: it lands now; PostgreSQL: it waits for our lock
-
+    other = _land_during(
+        ours,
+        "UPDATE training_attempts SET placement",
+        lambda: theirs.merge_placement("run-1", 1, {"resharded_from": 2}),
+    )
     ours.merge_placement("run-1", 1, {"world_size": 4})
     other[0].join(timeout=60)
     assert not other[0].is_alive()
     placement = ours.get_attempt("run-1", 1).placement
     assert placement["world_size"] == 4 and placement["resharded_from"] == 2, placement
     assert placement["host"] == "test"
+
+
+def test_two_decisions_on_one_attempt_at_once_keep_each_other(ledger_url: str) -> None:
+    """A decision written while another decider read the attempt is kept under ``previous``:
+    neither decider's record is lost."""
+    ours, theirs = Ledger.open(ledger_url), Ledger(ledger_url)
+    _run(ours)
+    ours.begin_attempt("run-1", _start())
+    ours.end_attempt(
+        "run-1", 1, termination_reason=TerminationReason.PREEMPTED, termination_detail="SIGTERM",
+        retry_decision={"rule": "first"},
+    )  # fmt: skip
+    other = _land_during(
+        ours,
+        "UPDATE training_attempts SET retry_decision",
+        lambda: theirs.record_retry_decision("run-1", 1, {"rule": "theirs"}),
+    )
+    ours.record_retry_decision("run-1", 1, {"rule": "ours"})
+    other[0].join(timeout=60)
+    chain, rules = ours.get_attempt("run-1", 1).retry_decision, []
+    while chain:
+        rules.append(chain["rule"])
+        chain = chain.get("previous")
+    assert sorted(rules) == ["first", "ours", "theirs"] and rules[-1] == "first", rules
 
 
 def test_checks_recorded_by_two_processes_at_once_keep_the_newest_and_both_in_history(

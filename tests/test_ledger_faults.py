@@ -145,35 +145,3 @@ def test_an_attempt_another_process_ended_keeps_that_ending(ledger_url: str) -> 
             termination_detail="exit code 1", exit_code=1,
         )  # fmt: skip
     assert ledger.get_attempt("r1", 1) == first
-
-
-def test_two_decisions_on_one_attempt_at_once_keep_each_other(ledger_url: str) -> None:
-    """A decision written while another decider read the attempt is kept under ``previous``:
-    neither decider's record is lost."""
-    import threading
-
-    ledger = _one_open_attempt(ledger_url)
-    ledger.end_attempt(
-        "r1", 1, termination_reason=TerminationReason.PREEMPTED, termination_detail="SIGTERM",
-        retry_decision={"rule": "first"},
-    )  # fmt: skip
-    theirs = Ledger(ledger_url)
-    other: list[threading.Thread] = []
-
-    @sa.event.listens_for(ledger.engine, "before_cursor_execute")
-    def _interleave(*args: object) -> None:
-        if not other and str(args[2]).startswith("UPDATE training_attempts SET retry_decision"):
-            decide = threading.Thread(
-                target=theirs.record_retry_decision, args=("r1", 1, {"rule": "theirs"})
-            )
-            other.append(decide)
-            decide.start()
-            decide.join(timeout=1.0)  # SQLite: it lands now; PostgreSQL: it waits for our lock
-
-    ledger.record_retry_decision("r1", 1, {"rule": "ours"})
-    other[0].join(timeout=60)
-    chain, rules = ledger.get_attempt("r1", 1).retry_decision, []
-    while chain:
-        rules.append(chain["rule"])
-        chain = chain.get("previous")
-    assert sorted(rules) == ["first", "ours", "theirs"] and rules[-1] == "first", rules
