@@ -37,11 +37,13 @@ CONTINUING_ACTIONS = (RetryAction.RESUME, RetryAction.RETRY, RetryAction.ROLLBAC
 # A longer backoff (infra_transient's 30 s and up) is left to the resume sensor, so a Dagster
 # run never sits idle holding its run slot through a wait.
 IN_RUN_MAX_BACKOFF_SECONDS = 5.0
-# How long the resume sensor leaves a continuation to the Dagster run that hosted the ended
-# attempt while that run is not finished. The step opens the next attempt within seconds of
-# closing one; a run still unfinished long after (its run worker died with the node and
-# nothing marked the run failed) gets the sensor's continuation anyway: fencing tokens make
-# a late second attempt lose.
+# How long the resume sensor leaves an attempt to the Dagster run that hosted it while that run
+# is not finished: a silent attempt's ending (that step sees its trainer exit, or its pod's
+# status) and an ended attempt's continuation (the step opens the next attempt within seconds
+# of closing one). Counted from when the attempt went quiet: its end, or its heartbeat's
+# timeout if that came first. A run still unfinished long after (its run worker died with the
+# node and nothing marked the run failed) holds neither: the sensor closes the attempt from
+# what remains and continues the run, and fencing tokens make a late second attempt lose.
 IN_RUN_CLAIM_SECONDS = 120.0
 
 
@@ -58,12 +60,26 @@ def continues_in_run(decision: RetryDecision) -> bool:
     )
 
 
-def in_run_claim_open(ended: AttemptRecord, now: datetime) -> bool:
-    """Whether the continuation of ``ended`` still belongs to the Dagster run that hosted it
-    (when that run is not finished): within :data:`IN_RUN_CLAIM_SECONDS` of its end."""
-    if ended.ended_at is None:
-        return False
-    return (now - ended.ended_at).total_seconds() <= IN_RUN_CLAIM_SECONDS
+def went_quiet_at(attempt: AttemptRecord, heartbeat_timeout_seconds: float) -> datetime:
+    """When ``attempt`` last showed its hosting Dagster run at work: its end, or the moment its
+    heartbeat (its start, before the first) passed the timeout, whichever came first."""
+    beat = attempt.heartbeat_at or attempt.started_at
+    expired = beat + timedelta(seconds=heartbeat_timeout_seconds)
+    return min(attempt.ended_at, expired) if attempt.ended_at is not None else expired
+
+
+def in_run_claim_open(
+    attempt: AttemptRecord, now: datetime, heartbeat_timeout_seconds: float
+) -> bool:
+    """Whether ``attempt`` (its ending where it is silent, its continuation where it ended)
+    still belongs to the Dagster run that hosted it, when that run is not finished: within
+    :data:`IN_RUN_CLAIM_SECONDS` of :func:`went_quiet_at`.
+
+    An attempt the sensor closed after the claim ran out is not claimed again by its end: the
+    continuation goes out on the same tick, not :data:`IN_RUN_CLAIM_SECONDS` later.
+    """
+    quiet = went_quiet_at(attempt, heartbeat_timeout_seconds)
+    return (now - quiet).total_seconds() <= IN_RUN_CLAIM_SECONDS
 
 
 @dataclass(frozen=True)
@@ -132,6 +148,7 @@ def expire_silent_attempts(
     checkpoint_root: Path | None = None,
     tracking_uri: str | None = None,
     on_warning: Callable[[str], None] | None = None,
+    left_to_hosting_run: Callable[[AttemptRecord], bool] | None = None,
 ) -> list[AttemptRecord]:
     """Close attempts that are alive on paper but silent past the timeout (node lost).
 
@@ -139,10 +156,16 @@ def expire_silent_attempts(
     its retry decision, exactly like an attempt whose process exit was seen. With
     ``tracking_uri``, the run's MLflow run is told too (it would otherwise stay RUNNING);
     what MLflow refused goes to ``on_warning``.
+
+    An attempt for which ``left_to_hosting_run`` is true stays open: the Dagster run that
+    launched it is still at work and will end it from what it sees (the trainer's exit, the
+    pod's status), which beats an inference from silence.
     """
     now = now or datetime.now(UTC)
     closed = []
     for attempt in ledger.silent_attempts(heartbeat_timeout_seconds, now=now):
+        if left_to_hosting_run is not None and left_to_hosting_run(attempt):
+            continue
         latest = ledger.latest_committed_checkpoint(attempt.run_id)
         # A trainer that could not reach the ledger still wrote its last words to disk: they
         # are the evidence of how it ended (infra_transient, a signal), read before silence.

@@ -5,7 +5,8 @@ events).
 The retry decision on the ended attempt says whether to continue; the run key makes each
 continuation happen once; Dagster's own run retries stay off, so this sensor is the one owner.
 A continuation the Dagster run that ran the ended attempt may still open itself (continuing in
-place, assets/training.py) is left to that run while it is not finished.
+place, assets/training.py) is left to that run while it is not finished; so is the ending of a
+silent attempt, which that run's step sees directly. Both claims are bounded.
 """
 
 import copy
@@ -23,6 +24,7 @@ from resources import LedgerResource, StorageResource
 
 if TYPE_CHECKING:
     from pipeline.continuation import Continuation
+    from pipeline.ledger import AttemptRecord
 
 AUTOMATION = AutomationSettings.from_env()
 
@@ -89,12 +91,15 @@ def resume_after_preemption(
         # attempt closed here must not stay RUNNING.
         tracking_uri=TracksSettings.from_env().mlflow_tracking_uri,
         on_warning=context.log.warning,
+        left_to_hosting_run=lambda attempt: _silence_left_to_hosting_run(
+            context, attempt, datetime.now(UTC)
+        ),
     ):
         context.log.warning(
             f"attempt {attempt.key} went silent: {attempt.termination_detail} "
             f"Decision: {(attempt.retry_decision or {}).get('reason')}"
         )
-    now = datetime.now(UTC)
+    now = datetime.now(UTC)  # after the closes above: a continuation due now is not "later"
     requests: list[dg.RunRequest] = []
     new_partitions: list[str] = []
 
@@ -184,6 +189,16 @@ _STEP_MAY_RUN = (
 )
 
 
+def _unfinished_hosting_run(
+    context: dg.SensorEvaluationContext, attempt: "AttemptRecord"
+) -> dg.DagsterRunStatus | None:
+    """The status of the Dagster run that launched ``attempt`` where its steps may still be
+    executing (starting, started or being terminated); None where it is finished or unknown."""
+    hosting = attempt.dagster_run_id
+    run = context.instance.get_run_by_id(hosting) if hosting else None
+    return run.status if run is not None and run.status in _STEP_MAY_RUN else None
+
+
 def _left_to_hosting_run(
     context: dg.SensorEvaluationContext, c: "Continuation", now: datetime
 ) -> bool:
@@ -194,26 +209,62 @@ def _left_to_hosting_run(
     run launched here too would be a second attempt, which fencing would make lose but which
     should not exist. Once the run ends (the step
     failed, or it did not continue in place) the next tick takes over; a run still unfinished
-    :data:`~pipeline.continuation.IN_RUN_CLAIM_SECONDS` after the attempt ended (its run worker
-    died and nothing marked the run failed) no longer holds the continuation back.
+    :data:`~pipeline.continuation.IN_RUN_CLAIM_SECONDS` after the attempt went quiet (its run
+    worker died and nothing marked the run failed) no longer holds the continuation back.
     """
     from pipeline.continuation import IN_RUN_CLAIM_SECONDS, in_run_claim_open
 
-    hosting = c.ended.dagster_run_id
-    run = context.instance.get_run_by_id(hosting) if hosting else None
-    if run is None or run.status not in _STEP_MAY_RUN:
+    status = _unfinished_hosting_run(context, c.ended)
+    if status is None:
         return False
-    if in_run_claim_open(c.ended, now):
+    hosting = c.ended.dagster_run_id
+    if in_run_claim_open(c.ended, now, AUTOMATION.heartbeat_timeout_seconds):
         context.log.info(
             f"{c.run_key}: not launched: Dagster run {hosting}, which ran attempt "
-            f"{c.ended.key}, is still {run.status.value}; the continuation is its own "
+            f"{c.ended.key}, is still {status.value}; the continuation is its own "
             "(it continues in place, or ends and a later tick launches it)"
         )
         return True
     context.log.warning(
         f"{c.run_key}: Dagster run {hosting}, which ran attempt {c.ended.key}, is still "
-        f"{run.status.value} {IN_RUN_CLAIM_SECONDS:.0f}s after the attempt ended without "
+        f"{status.value} {IN_RUN_CLAIM_SECONDS:.0f}s after the attempt went quiet without "
         "opening the next one; launching the continuation here"
+    )
+    return False
+
+
+def _silence_left_to_hosting_run(
+    context: dg.SensorEvaluationContext, attempt: "AttemptRecord", now: datetime
+) -> bool:
+    """Whether a silent attempt stays open this tick, for the Dagster run that launched it.
+
+    That run's step waits on the trainer and sees how it ended (its exit code or signal, its
+    pod's status): direct evidence, where the sensor could only infer a lost node from
+    silence. A trainer cut off from the ledger keeps training and then exits with its own
+    reason; closing its attempt as lost meanwhile would state something that did not happen.
+    The claim is bounded as the continuation's is: a run still unfinished
+    :data:`~pipeline.continuation.IN_RUN_CLAIM_SECONDS` after the heartbeat timed out (its run
+    worker died with the node) no longer holds the attempt open.
+    """
+    from pipeline.continuation import IN_RUN_CLAIM_SECONDS, in_run_claim_open
+
+    status = _unfinished_hosting_run(context, attempt)
+    if status is None:
+        return False
+    timeout = AUTOMATION.heartbeat_timeout_seconds
+    silent = (now - (attempt.heartbeat_at or attempt.started_at)).total_seconds()
+    hosting = attempt.dagster_run_id
+    if in_run_claim_open(attempt, now, timeout):
+        context.log.info(
+            f"attempt {attempt.key}: no heartbeat for {silent:.0f}s; left open for Dagster run "
+            f"{hosting}, which launched it and is still {status.value}: it ends the attempt "
+            "from what it sees of the trainer"
+        )
+        return True
+    context.log.warning(
+        f"attempt {attempt.key}: no heartbeat for {silent:.0f}s, and Dagster run {hosting}, "
+        f"which launched it, is still {status.value} {IN_RUN_CLAIM_SECONDS:.0f}s after the "
+        "heartbeat timed out without ending it; closing it here"
     )
     return False
 

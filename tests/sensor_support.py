@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import sqlalchemy as sa
 
 from pipeline.ledger import AttemptStart, Ledger
+from pipeline.ledger.schema import training_attempts
 from pipeline.retry import RetryPolicy, decide, policy_for_run, record_decision
 from pipeline.states import RunStatus, TerminationReason
 from resources import LedgerResource, StorageResource
@@ -94,3 +97,31 @@ def ended_attempt(
     record_decision(ledger, ended, decision)
     if not decision.continues:
         ledger.set_run_status(run_id, RunStatus.FAILED)
+
+
+def silent_attempt(
+    ledger: Ledger,
+    *,
+    run_id: str = "r1",
+    snapshot_id: str = SNAPSHOT,
+    silent_for: timedelta = timedelta(hours=1),
+    dagster_run_id: str | None = None,
+) -> None:
+    """Run ``run_id`` with its attempt 1 still open and its last heartbeat ``silent_for`` ago."""
+    ledger.create_run(
+        run_id=run_id, model_family="digits-cnn", owner="t", purpose="baseline",
+        config_sha256="c" * 64, snapshot_id=snapshot_id,
+    )  # fmt: skip
+    ledger.begin_attempt(
+        run_id,
+        AttemptStart(
+            config_snapshot={}, config_sha256="c" * 64, data_manifest_sha256="d" * 64,
+            container_digest="env", placement={}, dagster_run_id=dagster_run_id,
+        ),
+    )  # fmt: skip
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            sa.update(training_attempts)
+            .where(training_attempts.c.run_id == run_id)
+            .values(heartbeat_at=datetime.now(UTC) - silent_for)
+        )

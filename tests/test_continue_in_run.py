@@ -9,7 +9,7 @@ the same ``dagster dev`` as the sensor's cases.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import pytest
 
 from assets.launch import continued_in_run, launched_by
 from pipeline.continuation import (
+    IN_RUN_CLAIM_SECONDS,
     IN_RUN_MAX_BACKOFF_SECONDS,
     continues_in_run,
 )
@@ -25,7 +26,7 @@ from pipeline.launch_facts import contradicted_tags, trainer_source_words
 from pipeline.ledger import Ledger
 from pipeline.retry import RetryAction, RetryDecision
 from pipeline.states import RunStatus, TerminationReason
-from tests.sensor_support import ended_attempt, resume_tick
+from tests.sensor_support import ended_attempt, resume_tick, silent_attempt
 
 
 def _decision(action: RetryAction, backoff: float) -> RetryDecision:
@@ -116,3 +117,55 @@ def test_a_dagster_run_unfinished_long_after_its_attempt_ended_no_longer_holds_i
     assert isinstance(result, dg.SensorResult), logged
     assert [r.run_key for r in result.run_requests] == ["r1:attempt-2"]
     assert any("still STARTED" in line and "launching the continuation" in line for line in logged)
+
+
+def test_a_silent_attempt_is_left_to_the_dagster_run_still_running_it(tmp_path: Path) -> None:
+    """That run's step sees how the trainer ended (a trainer cut off from the ledger goes on
+    training, then exits with its own reason): the sensor does not call it lost meanwhile."""
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    timeout = 60.0  # TRACKS_HEARTBEAT_TIMEOUT's default, which the sensor runs under here
+    silent_attempt(ledger, silent_for=timedelta(seconds=timeout + 30), dagster_run_id="dr-host")
+    for status in (dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING):
+        logged: list[str] = []
+        result = resume_tick(ledger, root=tmp_path, dagster_runs=[_hosting(status)], logged=logged)
+        assert isinstance(result, dg.SkipReason), result
+        assert ledger.get_attempt("r1", 1).ended_at is None
+        assert any(
+            line.startswith("attempt r1#1: no heartbeat for ")
+            and "s; left open for Dagster run dr-host, which launched it and is still "
+            f"{status.value}"
+            in line
+            for line in logged
+        ), logged
+    # That run ended without ending the attempt: closed from what remains, and continued.
+    result = resume_tick(
+        ledger, root=tmp_path, dagster_runs=[_hosting(dg.DagsterRunStatus.FAILURE)], logged=[]
+    )
+    assert ledger.get_attempt("r1", 1).termination_reason == "preempted"
+    assert isinstance(result, dg.SensorResult)
+    assert [r.run_key for r in result.run_requests] == ["r1:attempt-2"]
+
+
+def test_a_dagster_run_that_never_ends_its_silent_attempt_does_not_hold_it_or_the_next(
+    tmp_path: Path,
+) -> None:
+    """Its run worker died with the node and nothing marked the run failed: past the claim the
+    sensor closes the attempt, and launches the continuation on the same tick (the claim is
+    counted from when the attempt went quiet, not from the sensor's own close)."""
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    quiet = 60.0 + IN_RUN_CLAIM_SECONDS + 30
+    silent_attempt(ledger, silent_for=timedelta(seconds=quiet), dagster_run_id="dr-host")
+    logged: list[str] = []
+    result = resume_tick(
+        ledger, root=tmp_path, dagster_runs=[_hosting(dg.DagsterRunStatus.STARTED)], logged=logged
+    )
+    attempt = ledger.get_attempt("r1", 1)
+    assert attempt.termination_reason == "preempted", logged
+    assert any(
+        line.startswith("attempt r1#1: no heartbeat for ")
+        and "s, and Dagster run dr-host, which launched it, is still STARTED" in line
+        and line.endswith("without ending it; closing it here")
+        for line in logged
+    ), logged
+    assert isinstance(result, dg.SensorResult), logged
+    assert [r.run_key for r in result.run_requests] == ["r1:attempt-2"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from assets.data import data_snapshot
 from definitions import _resources
 from pipeline.data.landing import Drift, write_digits_landing
 from pipeline.data.snapshot import snapshot_id_for
-from pipeline.ledger import AttemptStart, Ledger
+from pipeline.ledger import Ledger
 from pipeline.retry import RetryPolicy
 from pipeline.settings import TracksSettings
 from pipeline.states import RunStatus, TerminationReason
@@ -24,7 +24,7 @@ from resources import StorageResource
 from sensors import snapshots
 from sensors.schedules import newest_checked_snapshots, nightly_retrain
 from sensors.snapshots import new_snapshot
-from tests.sensor_support import SNAPSHOT, ended_attempt, resume_tick
+from tests.sensor_support import ended_attempt, resume_tick, silent_attempt
 
 
 @pytest.fixture
@@ -123,26 +123,7 @@ def test_stopping_reasons_are_never_resumed(tmp_path: Path, reason: TerminationR
 
 def test_silent_attempt_is_closed_as_preempted_and_resumed(tmp_path: Path) -> None:
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
-    ledger.create_run(
-        run_id="r1", model_family="digits-cnn", owner="t", purpose="baseline",
-        config_sha256="c" * 64, snapshot_id="digits-00000000000000aa",
-    )  # fmt: skip
-    ledger.begin_attempt(
-        "r1",
-        AttemptStart(
-            config_snapshot={}, config_sha256="c" * 64, data_manifest_sha256="d" * 64,
-            container_digest="env", placement={},
-        ),
-    )  # fmt: skip
-    # Its heartbeat is an hour old: the node is gone.
-    import sqlalchemy as sa
-
-    from pipeline.ledger.schema import training_attempts
-
-    with ledger.engine.begin() as conn:
-        conn.execute(
-            sa.update(training_attempts).values(heartbeat_at=datetime.now(UTC) - timedelta(hours=1))
-        )
+    silent_attempt(ledger)  # its heartbeat is an hour old: the node is gone
     result = resume_tick(ledger)
     attempt = ledger.get_attempt("r1", 1)
     assert attempt.termination_reason == "preempted"
@@ -151,34 +132,12 @@ def test_silent_attempt_is_closed_as_preempted_and_resumed(tmp_path: Path) -> No
     assert [r.run_key for r in result.run_requests] == ["r1:attempt-2"]
 
 
-def _silent_attempt(ledger: Ledger, run_id: str = "r1", snapshot_id: str = SNAPSHOT) -> None:
-    import sqlalchemy as sa
-
-    from pipeline.ledger.schema import training_attempts
-
-    ledger.create_run(
-        run_id=run_id, model_family="digits-cnn", owner="t", purpose="baseline",
-        config_sha256="c" * 64, snapshot_id=snapshot_id,
-    )  # fmt: skip
-    ledger.begin_attempt(
-        run_id,
-        AttemptStart(config_snapshot={}, config_sha256="c" * 64, data_manifest_sha256="d" * 64,
-                     container_digest="env", placement={}),
-    )  # fmt: skip
-    with ledger.engine.begin() as conn:
-        conn.execute(
-            sa.update(training_attempts)
-            .where(training_attempts.c.run_id == run_id)
-            .values(heartbeat_at=datetime.now(UTC) - timedelta(hours=1))
-        )
-
-
 def test_silent_attempt_is_closed_with_the_reason_its_last_words_give(tmp_path: Path) -> None:
     """A trainer that lost the ledger wrote `infra_transient` to disk: that is its story."""
     import json
 
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
-    _silent_attempt(ledger)
+    silent_attempt(ledger)
     words = tmp_path / "tracks" / "checkpoints" / "r1" / "attempt-1.last_words.json"
     words.parent.mkdir(parents=True)
     words.write_text(json.dumps({
@@ -384,8 +343,8 @@ def test_a_silent_attempt_of_a_run_whose_stored_policy_does_not_load_stops_alone
     from pipeline.ledger.schema import training_runs
 
     ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
-    _silent_attempt(ledger, run_id="legacy")
-    _silent_attempt(ledger, run_id="fine")
+    silent_attempt(ledger, run_id="legacy")
+    silent_attempt(ledger, run_id="fine")
     with ledger.engine.begin() as conn:
         conn.execute(
             sa.update(training_runs)
