@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,15 @@ def in_run_claim_open(
     return (now - quiet).total_seconds() <= IN_RUN_CLAIM_SECONDS
 
 
+class HostingRun(StrEnum):
+    """What the Dagster run that launched an attempt says about it, as the resume sensor reads
+    that run's status (:func:`in_run_claim_open` bounds the first and the second)."""
+
+    AT_WORK = "at_work"  # starting, started or being terminated: its step may still end it
+    TERMINATED = "terminated"  # a person terminated it, and it ended without ending the attempt
+    GONE = "gone"  # finished otherwise, unknown, or unfinished past its claim: no evidence
+
+
 @dataclass(frozen=True)
 class Continuation:
     """A run whose last attempt ended with a decision to continue it."""
@@ -148,7 +158,7 @@ def expire_silent_attempts(
     checkpoint_root: Path | None = None,
     tracking_uri: str | None = None,
     on_warning: Callable[[str], None] | None = None,
-    left_to_hosting_run: Callable[[AttemptRecord], bool] | None = None,
+    hosting_run: Callable[[AttemptRecord], HostingRun] | None = None,
 ) -> list[AttemptRecord]:
     """Close attempts that are alive on paper but silent past the timeout (node lost).
 
@@ -157,14 +167,17 @@ def expire_silent_attempts(
     ``tracking_uri``, the run's MLflow run is told too (it would otherwise stay RUNNING);
     what MLflow refused goes to ``on_warning``.
 
-    An attempt for which ``left_to_hosting_run`` is true stays open: the Dagster run that
-    launched it is still at work and will end it from what it sees (the trainer's exit, the
-    pod's status), which beats an inference from silence.
+    ``hosting_run`` says what the Dagster run that launched an attempt is doing. At work, it
+    keeps the attempt open: it will end it from what it sees (the trainer's exit, the pod's
+    status), which beats an inference from silence. Terminated by a person without closing it
+    (its run worker killed before its cleanup), the attempt ends ``cancelled``, whatever the stop
+    left behind: a preemption would be resumed, against that person's decision.
     """
     now = now or datetime.now(UTC)
     closed = []
     for attempt in ledger.silent_attempts(heartbeat_timeout_seconds, now=now):
-        if left_to_hosting_run is not None and left_to_hosting_run(attempt):
+        hosting = hosting_run(attempt) if hosting_run is not None else HostingRun.GONE
+        if hosting is HostingRun.AT_WORK:
             continue
         latest = ledger.latest_committed_checkpoint(attempt.run_id)
         # A trainer that could not reach the ledger still wrote its last words to disk: they
@@ -178,8 +191,12 @@ def expire_silent_attempts(
                 signal_name=signal,
                 last_words=words or None,
                 last_committed_step=latest.step if latest else None,
+                step_reached=reached,
                 heartbeat_timeout_seconds=heartbeat_timeout_seconds,
                 now=now,
+                terminated_dagster_run=(
+                    attempt.dagster_run_id if hosting is HostingRun.TERMINATED else None
+                ),
             )
         )
         # The accelerators were held from the start to the last heartbeat at least: that is

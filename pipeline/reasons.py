@@ -6,7 +6,8 @@ TerminationReason` and one honest sentence. The rules, first match wins:
 
 1. exit 0 and nothing against it: ``succeeded``.
 2. evidence from an evaluator (``evaluator`` set) that did not succeed: ``evaluator_crash``.
-3. a person cancelled: ``cancelled``; a newer attempt holds the run's fencing token (exit 80,
+3. a person cancelled, or terminated the Dagster run that launched the attempt, which ended
+   without closing it: ``cancelled``; a newer attempt holds the run's fencing token (exit 80,
    ``StaleFencingTokenError``): ``fenced``.
 4. SIGKILL (or exit 137) and the cgroup's ``oom_kill`` counter went up: ``oom``.
 5. the trainer's last words, when present and consistent with the exit code: their reason
@@ -148,6 +149,8 @@ class AttemptEvidence:
     ``step_reached`` the furthest step the attempt is known to have trained: two facts, never
     one in the other's words. ``newer_attempt`` is the attempt that holds the run's fencing
     token now (``{"attempt_no": …, "via": …}``), when it is not this one.
+    ``terminated_dagster_run`` is the Dagster run that launched the attempt, where a person
+    terminated it and it ended without closing the attempt (the resume sensor's evidence).
     """
 
     exit_code: int | None = None
@@ -166,6 +169,7 @@ class AttemptEvidence:
     evaluator: str | None = None
     step_reached: int | None = None
     newer_attempt: Mapping[str, Any] | None = None
+    terminated_dagster_run: str | None = None
 
     @property
     def signal_name(self) -> str | None:
@@ -366,7 +370,19 @@ def _classify(evidence: AttemptEvidence) -> Termination:
             ),
         )
 
-    # 3. A person asked for it.
+    # 3. A person asked for it. A terminated Dagster run that never closed its attempt (its run
+    # worker killed before its cleanup) is that person's doing too, whatever signal or last
+    # words the stop left: never a preemption to resume.
+    if e.terminated_dagster_run is not None and not e.cancelled:
+        how = f"; the trainer stopped on {sig}" if sig else ""
+        return Termination(
+            R.CANCELLED,
+            _sentence(
+                f"A person terminated Dagster run {e.terminated_dagster_run}, which launched "
+                f"this attempt, and that run ended without closing its receipt{how}; "
+                f"{_where(e)}"
+            ),
+        )
     if e.cancelled:
         by = f" (the trainer then exited on {sig})" if sig else ""
         return Termination(
@@ -624,6 +640,7 @@ def evidence_for_attempt(
     now: datetime | None = None,
     step_reached: int | None = None,
     newer_attempt: Mapping[str, Any] | None = None,
+    terminated_dagster_run: str | None = None,
 ) -> AttemptEvidence:
     """Evidence for a ledger attempt: heartbeat age, wall time and max wall from its receipt.
 
@@ -652,6 +669,7 @@ def evidence_for_attempt(
             (s for s in (step_reached, attempt.last_step) if s is not None), default=None
         ),
         newer_attempt=newer_attempt,
+        terminated_dagster_run=terminated_dagster_run,
     )
 
 

@@ -23,7 +23,7 @@ from pipeline.settings import AutomationSettings, TracksSettings
 from resources import LedgerResource, StorageResource
 
 if TYPE_CHECKING:
-    from pipeline.continuation import Continuation
+    from pipeline.continuation import Continuation, HostingRun
     from pipeline.ledger import AttemptRecord
 
 AUTOMATION = AutomationSettings.from_env()
@@ -91,9 +91,7 @@ def resume_after_preemption(
         # attempt closed here must not stay RUNNING.
         tracking_uri=TracksSettings.from_env().mlflow_tracking_uri,
         on_warning=context.log.warning,
-        left_to_hosting_run=lambda attempt: _silence_left_to_hosting_run(
-            context, attempt, datetime.now(UTC)
-        ),
+        hosting_run=lambda attempt: _hosting_run_of_silent(context, attempt, datetime.now(UTC)),
     ):
         context.log.warning(
             f"attempt {attempt.key} went silent: {attempt.termination_detail} "
@@ -233,40 +231,51 @@ def _left_to_hosting_run(
     return False
 
 
-def _silence_left_to_hosting_run(
+def _hosting_run_of_silent(
     context: dg.SensorEvaluationContext, attempt: "AttemptRecord", now: datetime
-) -> bool:
-    """Whether a silent attempt stays open this tick, for the Dagster run that launched it.
+) -> "HostingRun":
+    """What the Dagster run that launched a silent attempt says about it.
 
-    That run's step waits on the trainer and sees how it ended (its exit code or signal, its
-    pod's status): direct evidence, where the sensor could only infer a lost node from
-    silence. A trainer cut off from the ledger keeps training and then exits with its own
-    reason; closing its attempt as lost meanwhile would state something that did not happen.
-    The claim is bounded as the continuation's is: a run still unfinished
-    :data:`~pipeline.continuation.IN_RUN_CLAIM_SECONDS` after the heartbeat timed out (its run
-    worker died with the node) no longer holds the attempt open.
+    At work (starting, started or being terminated), it keeps the attempt open this tick: its
+    step waits on the trainer and sees how it ended (the exit code or signal, the pod's status),
+    direct evidence where the sensor could only infer a lost node from silence; a trainer cut
+    off from the ledger trains on and then exits with its own reason. The claim is bounded as
+    the continuation's is: :data:`~pipeline.continuation.IN_RUN_CLAIM_SECONDS` after the
+    heartbeat timed out (its run worker died with the node) the sensor closes the attempt. A run
+    a person terminated that ended (or is still ending past the claim) without closing the
+    attempt makes it ``cancelled``: resuming it would undo that person's decision.
     """
-    from pipeline.continuation import IN_RUN_CLAIM_SECONDS, in_run_claim_open
+    from pipeline.continuation import IN_RUN_CLAIM_SECONDS, HostingRun, in_run_claim_open
 
-    status = _unfinished_hosting_run(context, attempt)
-    if status is None:
-        return False
-    timeout = AUTOMATION.heartbeat_timeout_seconds
-    silent = (now - (attempt.heartbeat_at or attempt.started_at)).total_seconds()
     hosting = attempt.dagster_run_id
-    if in_run_claim_open(attempt, now, timeout):
+    run = context.instance.get_run_by_id(hosting) if hosting else None
+    if run is None:
+        return HostingRun.GONE
+    status = run.status
+    silent = (now - (attempt.heartbeat_at or attempt.started_at)).total_seconds()
+    if status in _STEP_MAY_RUN and in_run_claim_open(
+        attempt, now, AUTOMATION.heartbeat_timeout_seconds
+    ):
         context.log.info(
             f"attempt {attempt.key}: no heartbeat for {silent:.0f}s; left open for Dagster run "
             f"{hosting}, which launched it and is still {status.value}: it ends the attempt "
             "from what it sees of the trainer"
         )
-        return True
-    context.log.warning(
-        f"attempt {attempt.key}: no heartbeat for {silent:.0f}s, and Dagster run {hosting}, "
-        f"which launched it, is still {status.value} {IN_RUN_CLAIM_SECONDS:.0f}s after the "
-        "heartbeat timed out without ending it; closing it here"
-    )
-    return False
+        return HostingRun.AT_WORK
+    if status in (dg.DagsterRunStatus.CANCELING, dg.DagsterRunStatus.CANCELED):
+        context.log.warning(
+            f"attempt {attempt.key}: no heartbeat for {silent:.0f}s, and Dagster run {hosting}, "
+            f"which launched it, was terminated ({status.value}) without ending it; closing "
+            "it as cancelled"
+        )
+        return HostingRun.TERMINATED
+    if status in _STEP_MAY_RUN:
+        context.log.warning(
+            f"attempt {attempt.key}: no heartbeat for {silent:.0f}s, and Dagster run {hosting}, "
+            f"which launched it, is still {status.value} {IN_RUN_CLAIM_SECONDS:.0f}s after the "
+            "heartbeat timed out without ending it; closing it here"
+        )
+    return HostingRun.GONE
 
 
 def _continuation_config(c: "Continuation", instance: dg.DagsterInstance) -> dict[str, Any]:

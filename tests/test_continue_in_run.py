@@ -169,3 +169,42 @@ def test_a_dagster_run_that_never_ends_its_silent_attempt_does_not_hold_it_or_th
     ), logged
     assert isinstance(result, dg.SensorResult), logged
     assert [r.run_key for r in result.run_requests] == ["r1:attempt-2"]
+
+
+@pytest.mark.parametrize(
+    ("status", "silent_for"),
+    [
+        (dg.DagsterRunStatus.CANCELED, 90.0),
+        # Still being terminated long past the claim: its run worker was killed mid-cleanup.
+        (dg.DagsterRunStatus.CANCELING, 60.0 + IN_RUN_CLAIM_SECONDS + 30),
+    ],
+)
+def test_a_silent_attempt_whose_dagster_run_was_terminated_ends_cancelled_and_stops(
+    tmp_path: Path, status: dg.DagsterRunStatus, silent_for: float
+) -> None:
+    """A person terminated the Dagster run and its run worker died before closing the receipt:
+    the trainer's SIGTERM checkpoint and last words say preempted, which the sensor would
+    resume. The terminated run is the evidence that decides: cancelled, and the run stops."""
+    import json
+
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    silent_attempt(ledger, silent_for=timedelta(seconds=silent_for), dagster_run_id="dr-host")
+    words = tmp_path / "tracks" / "checkpoints" / "r1" / "attempt-1.last_words.json"
+    words.parent.mkdir(parents=True)
+    words.write_text(json.dumps({
+        "run_id": "r1", "attempt_no": 1, "reason": "preempted", "exit_code": 75, "step": 40,
+        "signal": "SIGTERM", "detail": "SIGTERM received; committed step 40 and stopped",
+    }))  # fmt: skip
+    logged: list[str] = []
+    result = resume_tick(ledger, dagster_runs=[_hosting(status)], logged=logged)
+    attempt = ledger.get_attempt("r1", 1)
+    assert attempt.termination_reason == "cancelled", (attempt.termination_detail, logged)
+    assert attempt.termination_detail == (
+        "A person terminated Dagster run dr-host, which launched this attempt, and that run "
+        "ended without closing its receipt; the trainer stopped on SIGTERM; it reached step 40; "
+        "no checkpoint was committed."  # the ledger holds no commit: last words are not one
+    ), attempt.termination_detail
+    assert (attempt.retry_decision or {}).get("action") == "stop", attempt.retry_decision
+    assert ledger.get_run("r1").status == RunStatus.FAILED
+    assert isinstance(result, dg.SkipReason), result
+    assert any(f"was terminated ({status.value}) without ending it" in line for line in logged)
