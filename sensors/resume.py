@@ -248,7 +248,12 @@ def _hosting_run_of_silent(
     from pipeline.continuation import IN_RUN_CLAIM_SECONDS, HostingRun, in_run_claim_open
 
     hosting = attempt.dagster_run_id
-    run = context.instance.get_run_by_id(hosting) if hosting else None
+    try:
+        run = context.instance.get_run_by_id(hosting) if hosting else None
+    except Exception as exc:  # one unreadable run must not hold up every silent attempt
+        said = redact.text(f"{type(exc).__name__}: {exc}")
+        context.log.warning(f"attempt {attempt.key}: Dagster run {hosting} unreadable: {said}")
+        return HostingRun.GONE
     if run is None:
         return HostingRun.GONE
     status = run.status

@@ -208,3 +208,25 @@ def test_a_silent_attempt_whose_dagster_run_was_terminated_ends_cancelled_and_st
     assert ledger.get_run("r1").status == RunStatus.FAILED
     assert isinstance(result, dg.SkipReason), result
     assert any(f"was terminated ({status.value}) without ending it" in line for line in logged)
+
+
+def test_a_hosting_run_that_cannot_be_read_leaves_the_silent_attempt_to_the_heartbeat_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dagster's run storage failing for one run does not fail the tick: that attempt is closed
+    from its silence, as without a hosting run, and the error is logged without its password
+    (its continuation, which reads the same run, waits for a tick that can)."""
+
+    def unreadable(self: dg.DagsterInstance, run_id: str) -> None:
+        raise ConnectionError("postgresql://dagster:hunter2@db.internal/dagster is unreachable")
+
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    silent_attempt(ledger, silent_for=timedelta(seconds=90), dagster_run_id="dr-host")
+    monkeypatch.setattr(dg.DagsterInstance, "get_run_by_id", unreadable)
+    logged: list[str] = []
+    result = resume_tick(ledger, logged=logged)
+    assert ledger.get_attempt("r1", 1).termination_reason == "preempted"
+    assert isinstance(result, dg.SkipReason), result
+    assert any(line.startswith("attempt r1#1: Dagster run dr-host unreadable") for line in logged)
+    assert any(line.startswith("r1:attempt-2: not launched this tick") for line in logged)
+    assert all("hunter2" not in line for line in logged), logged
