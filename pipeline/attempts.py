@@ -610,11 +610,17 @@ def cancel_unlaunched(ledger: Ledger, dagster_run_id: str) -> list[AttemptRecord
 
 
 def stop_after_termination(
-    ledger: Ledger, run_id: str, ended_attempt_no: int, dagster_run_id: str
+    ledger: Ledger,
+    run_id: str,
+    ended_attempt_no: int,
+    dagster_run_id: str,
+    *,
+    when: str | None = None,
 ) -> AttemptRecord:
     """A person terminated the Dagster run that was continuing ``run_id`` in place, after
     attempt ``ended_attempt_no`` ended and before the next one's trainer launched. Returns the
-    attempt whose receipt now says so.
+    attempt whose receipt now says so. ``when`` says when the termination was found, where
+    not by that run's own step (the resume sensor finds the run already terminated).
 
     If the next attempt was already opened, it ends ``cancelled`` (:func:`cancel_unlaunched`).
     Otherwise the ended attempt gets a second decision, ``stop``, its first kept under
@@ -632,8 +638,9 @@ def stop_after_termination(
         RetryDecision(
             action=RetryAction.STOP,
             rule=TERMINATED_BEFORE_CONTINUING,
-            reason=f"Stop: A person terminated Dagster run {dagster_run_id} while it waited to "
-            f"continue the run in place after attempt {ended.key}; the earlier decision "
+            reason=f"Stop: A person terminated Dagster run {dagster_run_id} "
+            + (when or f"while it waited to continue the run in place after attempt {ended.key}")
+            + "; the earlier decision "
             f"({earlier.get('action', 'none')}, rule {earlier.get('rule', '-')}) is kept under "
             "previous.",
             termination_reason=TerminationReason(ended.termination_reason or "cancelled"),

@@ -24,7 +24,7 @@ from resources import LedgerResource, StorageResource
 
 if TYPE_CHECKING:
     from pipeline.continuation import Continuation, HostingRun
-    from pipeline.ledger import AttemptRecord
+    from pipeline.ledger import AttemptRecord, Ledger
 
 AUTOMATION = AutomationSettings.from_env()
 
@@ -108,6 +108,8 @@ def resume_after_preemption(
         # Each continuation on its own: one that cannot be launched is logged with its reason
         # and the others still go out on this tick.
         try:
+            if _stopped_by_termination(context, book, c):
+                continue
             request = _request_for(context, storage, c, now, new_partitions)
         except ContinuationRefusedError as exc:
             not_launched(c.run_key, str(exc))
@@ -126,6 +128,37 @@ def resume_after_preemption(
             [snapshot_partitions.build_add_request(new_partitions)] if new_partitions else []
         ),
     )
+
+
+def _stopped_by_termination(
+    context: dg.SensorEvaluationContext, book: "Ledger", c: "Continuation"
+) -> bool:
+    """Whether the Dagster run that ran the ended attempt was terminated before continuing the
+    run: then the run stops, as its own step would have stopped it, and nothing is launched.
+
+    A termination landing in that run's step after the attempt ended (while it decides whether
+    to continue in place, or between two lines it did not guard) leaves the continuing decision
+    standing; launching it would carry on a run a person stopped. A terminated run is finished,
+    so no later tick would hold the continuation back.
+    """
+    from pipeline.attempts import stop_after_termination
+
+    hosting = c.ended.dagster_run_id
+    run = context.instance.get_run_by_id(hosting) if hosting else None
+    if run is None or run.status is not dg.DagsterRunStatus.CANCELED:
+        return False
+    stopped = stop_after_termination(
+        book,
+        c.run.run_id,
+        c.ended.attempt_no,
+        run.run_id,
+        when=f"after attempt {c.ended.key} ended and before the run was continued (the resume "
+        f"sensor found that Dagster run {run.status.value})",
+    )
+    context.log.warning(
+        f"{c.run_key}: not launched: {(stopped.retry_decision or {}).get('reason')}"
+    )
+    return True
 
 
 def _request_for(

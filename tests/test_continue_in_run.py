@@ -230,3 +230,26 @@ def test_a_hosting_run_that_cannot_be_read_leaves_the_silent_attempt_to_the_hear
     assert any(line.startswith("attempt r1#1: Dagster run dr-host unreadable") for line in logged)
     assert any(line.startswith("r1:attempt-2: not launched this tick") for line in logged)
     assert all("hunter2" not in line for line in logged), logged
+
+
+def test_a_dagster_run_terminated_after_its_attempt_ended_stops_the_run(tmp_path: Path) -> None:
+    """The termination landed in that run's step after the attempt ended with resume (while it
+    decided whether to continue in place): the decision still says resume, but the run stops,
+    as its step would have stopped it, and nothing is launched, now or on a later tick."""
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    ended_attempt(ledger, TerminationReason.PREEMPTED, dagster_run_id="dr-host")
+    canceled = [_hosting(dg.DagsterRunStatus.CANCELED)]
+    logged: list[str] = []
+    result = resume_tick(ledger, root=tmp_path, dagster_runs=canceled, logged=logged)
+    assert isinstance(result, dg.SkipReason), result
+    decision = ledger.get_attempt("r1", 1).retry_decision or {}
+    assert decision["action"] == "stop" and decision["rule"] == "terminated_before_continuing"
+    assert decision["reason"].startswith(
+        "Stop: A person terminated Dagster run dr-host after attempt r1#1 ended and before the "
+        "run was continued (the resume sensor found that Dagster run CANCELED)"
+    ), decision["reason"]
+    assert decision["previous"]["action"] == "resume"
+    assert ledger.get_run("r1").status == RunStatus.FAILED
+    assert any(line.startswith("r1:attempt-2: not launched: Stop: A person") for line in logged)
+    assert isinstance(resume_tick(ledger, root=tmp_path, dagster_runs=canceled), dg.SkipReason)
+    assert (ledger.get_attempt("r1", 1).retry_decision or {})["previous"]["action"] == "resume"
