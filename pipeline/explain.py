@@ -128,13 +128,25 @@ _STATUS_WORDS = {
 }
 
 
-def _status_line(run: RunRecord, promotions: Sequence[PromotionRecord]) -> str:
-    line = f"Status **{run.status}** ({_STATUS_WORDS.get(run.status, 'unknown status')})"
+def _status_line(
+    run: RunRecord, promotions: Sequence[PromotionRecord], last: AttemptRecord | None = None
+) -> str:
+    words = _STATUS_WORDS.get(run.status, "unknown status")
+    if run.status == "failed" and last is not None and _stopped_by_a_person(last):
+        words = "stopped because a person cancelled it"
+    line = f"Status **{run.status}** ({words})"
     if run.status == "refused":
         refused = [p for p in promotions if p.decision == "refused"]  # newest first
         if refused:
             line += f" — **promotion refused**: {refused[0].reason}"
     return line
+
+
+def _stopped_by_a_person(attempt: AttemptRecord) -> bool:
+    """Whether ``attempt`` stopped its run because a person cancelled: its own ending, or a
+    termination of its Dagster run found after it ended (a second decision, not the policy's)."""
+    rule = (attempt.retry_decision or {}).get("rule")
+    return attempt.termination_reason == "cancelled" or rule == TERMINATED_BEFORE_CONTINUING
 
 
 def _summary(
@@ -145,9 +157,10 @@ def _summary(
 ) -> list[str]:
     total_gpu = sum(a.gpu_seconds for a in attempts)
     total_cpu = sum(a.cpu_seconds for a in attempts)
+    status = _status_line(run, promotions, attempts[-1] if attempts else None)
     out = [
         f"A **{run.model_family}** run for **{run.owner}** ({run.purpose}), created "
-        f"{_when(run.created_at)}. {_status_line(run, promotions)}, after {len(attempts)} "
+        f"{_when(run.created_at)}. {status}, after {len(attempts)} "
         f"attempt(s), {_hours(total_gpu)} GPU-hours and {_hours(total_cpu)} CPU-hours.",
     ]
     if attempts:

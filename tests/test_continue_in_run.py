@@ -22,6 +22,7 @@ from pipeline.continuation import (
     IN_RUN_MAX_BACKOFF_SECONDS,
     continues_in_run,
 )
+from pipeline.explain import explain
 from pipeline.launch_facts import contradicted_tags, trainer_source_words
 from pipeline.ledger import Ledger
 from pipeline.retry import RetryAction, RetryDecision
@@ -206,6 +207,7 @@ def test_a_silent_attempt_whose_dagster_run_was_terminated_ends_cancelled_and_st
     ), attempt.termination_detail
     assert (attempt.retry_decision or {}).get("action") == "stop", attempt.retry_decision
     assert ledger.get_run("r1").status == RunStatus.FAILED
+    assert "Status **failed** (stopped because a person cancelled it)" in explain(ledger, "r1")
     assert isinstance(result, dg.SkipReason), result
     assert any(f"was terminated ({status.value}) without ending it" in line for line in logged)
 
@@ -250,6 +252,9 @@ def test_a_dagster_run_terminated_after_its_attempt_ended_stops_the_run(tmp_path
     ), decision["reason"]
     assert decision["previous"]["action"] == "resume"
     assert ledger.get_run("r1").status == RunStatus.FAILED
+    page = explain(ledger, "r1")
+    assert "Status **failed** (stopped because a person cancelled it)" in page, page[:600]
+    assert "then **stop**: Stop: A person terminated Dagster run dr-host after attempt" in page
     assert any(line.startswith("r1:attempt-2: not launched: Stop: A person") for line in logged)
     assert isinstance(resume_tick(ledger, root=tmp_path, dagster_runs=canceled), dg.SkipReason)
     assert (ledger.get_attempt("r1", 1).retry_decision or {})["previous"]["action"] == "resume"
