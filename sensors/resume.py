@@ -49,7 +49,8 @@ def _run_key(instance: dg.DagsterInstance, key: str) -> str | None:
 
     A Dagster run that dies before it opens the attempt (its process failed to start, the code
     location failed to load) leaves the ledger unchanged: the same continuation is still due,
-    under a fresh key, a bounded number of times. Only the runs this sensor launched count
+    under a fresh key, a bounded number of times (one a person terminated stops the run
+    instead: :func:`_stopped_by_termination`). Only the runs this sensor launched count
     (Dagster's daemon tags them with its name): a run a person tagged with the continuation's
     key does not use up its relaunches.
     """
@@ -133,28 +134,42 @@ def resume_after_preemption(
 def _stopped_by_termination(
     context: dg.SensorEvaluationContext, book: "Ledger", c: "Continuation"
 ) -> bool:
-    """Whether the Dagster run that ran the ended attempt was terminated before continuing the
-    run: then the run stops, as its own step would have stopped it, and nothing is launched.
+    """Whether a person terminated the run's continuation: then the run stops, as a step that
+    saw the termination would have stopped it, and nothing is launched.
 
-    A termination landing in that run's step after the attempt ended (while it decides whether
-    to continue in place, or between two lines it did not guard) leaves the continuing decision
-    standing; launching it would carry on a run a person stopped. A terminated run is finished,
-    so no later tick would hold the continuation back.
+    Two Dagster runs can be terminated with the continuing decision still standing. The run
+    that ran the ended attempt, when the termination landed in its step after the attempt ended
+    (while it decides whether to continue in place, or between two lines it did not guard). And
+    a continuation this sensor launched, terminated before it opened the next attempt (while
+    queued or starting): a relaunch would undo that person's decision, which is not a run that
+    died on its own. Either is finished, so no later tick would hold the continuation back.
     """
     from pipeline.attempts import stop_after_termination
 
     hosting = c.ended.dagster_run_id
     run = context.instance.get_run_by_id(hosting) if hosting else None
-    if run is None or run.status is not dg.DagsterRunStatus.CANCELED:
-        return False
-    stopped = stop_after_termination(
-        book,
-        c.run.run_id,
-        c.ended.attempt_no,
-        run.run_id,
-        when=f"after attempt {c.ended.key} ended and before the run was continued (the resume "
-        f"sensor found that Dagster run {run.status.value})",
-    )
+    if run is not None and run.status is dg.DagsterRunStatus.CANCELED:
+        terminated = run.run_id
+        when = (
+            f"after attempt {c.ended.key} ended and before the run was continued (the resume "
+            f"sensor found that Dagster run {run.status.value})"
+        )
+    else:
+        launched = context.instance.get_runs(
+            filters=dg.RunsFilter(
+                tags={CONTINUATION_TAG: c.run_key, "dagster/sensor_name": SENSOR_NAME},
+                statuses=[dg.DagsterRunStatus.CANCELED],
+            ),
+            limit=1,
+        )
+        if not launched:
+            return False
+        terminated = launched[0].run_id
+        when = (
+            f"(the resume sensor's continuation of attempt {c.ended.key}) before it opened "
+            f"attempt {c.next_attempt_no}"
+        )
+    stopped = stop_after_termination(book, c.run.run_id, c.ended.attempt_no, terminated, when=when)
     context.log.warning(
         f"{c.run_key}: not launched: {(stopped.retry_decision or {}).get('reason')}"
     )

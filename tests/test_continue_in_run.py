@@ -258,3 +258,30 @@ def test_a_dagster_run_terminated_after_its_attempt_ended_stops_the_run(tmp_path
     assert any(line.startswith("r1:attempt-2: not launched: Stop: A person") for line in logged)
     assert isinstance(resume_tick(ledger, root=tmp_path, dagster_runs=canceled), dg.SkipReason)
     assert (ledger.get_attempt("r1", 1).retry_decision or {})["previous"]["action"] == "resume"
+
+
+def test_a_continuation_a_person_terminated_before_it_opened_its_attempt_is_not_relaunched(
+    tmp_path: Path,
+) -> None:
+    """The sensor's continuation, terminated while queued or starting: a person's stop, not a
+    run that died on its own (those are relaunched, at most three times)."""
+    from sensors.resume import CONTINUATION_TAG, SENSOR_NAME
+
+    ledger = Ledger.open(f"sqlite:///{tmp_path / 'l.db'}")
+    ended_attempt(ledger, TerminationReason.PREEMPTED, dagster_run_id="dr-host")
+    continuation = dg.DagsterRun(
+        job_name="__ASSET_JOB", run_id="dr-next", status=dg.DagsterRunStatus.CANCELED,
+        tags={CONTINUATION_TAG: "r1:attempt-2", "dagster/sensor_name": SENSOR_NAME},
+    )  # fmt: skip
+    runs = [_hosting(dg.DagsterRunStatus.FAILURE), continuation]
+    logged: list[str] = []
+    result = resume_tick(ledger, root=tmp_path, dagster_runs=runs, logged=logged)
+    assert isinstance(result, dg.SkipReason), result
+    decision = ledger.get_attempt("r1", 1).retry_decision or {}
+    assert decision["action"] == "stop" and decision["rule"] == "terminated_before_continuing"
+    assert decision["reason"].startswith(
+        "Stop: A person terminated Dagster run dr-next (the resume sensor's continuation of "
+        "attempt r1#1) before it opened attempt 2; the earlier decision (resume"
+    ), decision["reason"]
+    assert ledger.get_run("r1").status == RunStatus.FAILED
+    assert any(line.startswith("r1:attempt-2: not launched: Stop:") for line in logged)
