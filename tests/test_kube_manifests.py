@@ -353,6 +353,10 @@ def test_helm_values_and_dockerfile() -> None:
     assert launcher["type"] == "K8sRunLauncher"
     assert launcher["config"]["k8sRunLauncher"]["envSecrets"]
     assert values["postgresql"]["enabled"] is False
+    # A dead run worker is marked failed (the sensor stops waiting on it), never restarted.
+    monitoring = values["dagsterDaemon"]["runMonitoring"]
+    assert monitoring["enabled"] is True and monitoring["maxResumeRunAttempts"] == 0
+    assert values["dagsterDaemon"]["runRetries"]["enabled"] is False
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     copied = re.findall(r"^COPY (?:--\S+ )*(.+) \S+$", dockerfile, flags=re.MULTILINE)
     assert copied, "the Dockerfile copies nothing"
