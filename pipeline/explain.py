@@ -36,6 +36,7 @@ from pipeline.ledger import (
     SnapshotCheckRecord,
     UnknownSnapshotError,
 )
+from pipeline.ledger.notes import TRACKS_NOTE_SOURCE
 from pipeline.retry import TERMINATED_BEFORE_CONTINUING, config_changes
 from pipeline.states import PromotionDecision
 
@@ -983,15 +984,17 @@ def _model_history(
     return out
 
 
-# -- the logbook: people's notes among the run's events ------------------------------------
+# -- the logbook: notes (people's, and Tracks' own) among the run's events ------------------
 
 
 def _note_lines(note: NoteRecord) -> list[str]:
     on = "the run" if note.attempt_no is None else f"attempt {note.attempt_no}"
-    head = (
-        f"- {_when(note.created_at)} — **note {note.note_id}** on {on} by "
-        f"**{_cell(note.author)}** ({_cell(note.source)}):"
+    by = (
+        "recorded by **Tracks** itself (a Dagster run's training step)"
+        if note.source == TRACKS_NOTE_SOURCE
+        else f"by **{_cell(note.author)}** ({_cell(note.source)})"
     )
+    head = f"- {_when(note.created_at)} — **note {note.note_id}** on {on} {by}:"
     # A blockquote under the list item keeps the note's own lines, as it was written.
     return [head, *(f"  > {line}".rstrip() for line in note.text.splitlines())]
 

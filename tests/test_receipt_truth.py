@@ -18,6 +18,7 @@ from pipeline.attempts import PreparedAttempt, finish_attempt, prepare_attempt
 from pipeline.continuation import expire_silent_attempts
 from pipeline.data.landing import write_digits_landing
 from pipeline.data.snapshot import Snapshot, create_snapshot
+from pipeline.explain import explain
 from pipeline.ledger import AttemptRecord, AttemptStart, Ledger
 from pipeline.ledger.schema import training_attempts
 from pipeline.states import TerminationReason
@@ -216,6 +217,10 @@ def test_a_sigkill_seen_after_the_sensor_closed_the_silent_attempt_adds_a_note_o
     [note] = ledger.notes(closed.run_id)
     assert note.attempt_no == 1 and "saw this attempt's trainer end (SIGKILL" in note.text
     assert f"had ended the attempt {closed.termination_reason}" in note.text
+    # Tracks' own note, not a person's, as the logbook tells it.
+    assert f"**note {note.note_id}** on attempt 1 recorded by **Tracks** itself" in explain(
+        ledger, closed.key
+    )
 
 
 def test_an_attempt_ended_by_its_launcher_while_the_sensor_judged_it_silent_stays_as_ended(
@@ -244,7 +249,6 @@ def test_a_termination_while_waiting_to_continue_in_place_stops_the_run(
     sensor finds nothing to continue (its decision was resume a moment before)."""
     from pipeline.attempts import stop_after_termination
     from pipeline.continuation import pending_continuations
-    from pipeline.explain import explain
 
     prepared = _first_attempt(ledger, snapshot, tmp_path, _config(snapshot))
     run_id = prepared.run.run_id
