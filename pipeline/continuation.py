@@ -62,8 +62,8 @@ def continues_in_run(decision: RetryDecision) -> bool:
 
 
 def went_quiet_at(attempt: AttemptRecord, heartbeat_timeout_seconds: float) -> datetime:
-    """When ``attempt`` last showed its hosting Dagster run at work: its end, or the moment its
-    heartbeat (its start, before the first) passed the timeout, whichever came first."""
+    """When ``attempt`` went quiet: its end, or the moment its last heartbeat (its start, before
+    the first) passed the timeout, whichever came first."""
     beat = attempt.heartbeat_at or attempt.started_at
     expired = beat + timedelta(seconds=heartbeat_timeout_seconds)
     return min(attempt.ended_at, expired) if attempt.ended_at is not None else expired
