@@ -30,7 +30,7 @@ from pipeline.ledger import (
     Ledger,
     RunRecord,
 )
-from pipeline.ledger.notes import TRACKS_NOTE_SOURCE, note_text
+from pipeline.ledger.notes import NOTE_SOURCE_OF_TRACKS, note_text
 from pipeline.reasons import (
     AttemptEvidence,
     ObservedEnding,
@@ -568,7 +568,7 @@ def _ended_elsewhere(
         f"had ended the attempt {stored.termination_reason}; that ending and its retry "
         "decision stand.",
         author="tracks",
-        source=TRACKS_NOTE_SOURCE,
+        source=NOTE_SOURCE_OF_TRACKS,
         attempt_no=attempt_no,
     )
     decided = stored.retry_decision

@@ -36,7 +36,7 @@ from pipeline.ledger import (
     SnapshotCheckRecord,
     UnknownSnapshotError,
 )
-from pipeline.ledger.notes import TRACKS_NOTE_SOURCE
+from pipeline.ledger.notes import NOTE_SOURCE_OF_TRACKS
 from pipeline.retry import TERMINATED_BEFORE_CONTINUING, config_changes
 from pipeline.states import PromotionDecision
 
@@ -991,7 +991,7 @@ def _note_lines(note: NoteRecord) -> list[str]:
     on = "the run" if note.attempt_no is None else f"attempt {note.attempt_no}"
     by = (
         "recorded by **Tracks** itself (a Dagster run's training step)"
-        if note.source == TRACKS_NOTE_SOURCE
+        if note.source == NOTE_SOURCE_OF_TRACKS
         else f"by **{_cell(note.author)}** ({_cell(note.source)})"
     )
     head = f"- {_when(note.created_at)} — **note {note.note_id}** on {on} {by}:"

@@ -19,7 +19,7 @@ MAX_AUTHOR_CHARS = 128
 MAX_SOURCE_CHARS = 128
 # The source of a note Tracks writes itself (what a Dagster run that lost the race to end an
 # attempt saw); a person's note comes from the CLI ("cli") or a launch, never from here.
-TRACKS_NOTE_SOURCE = "training_attempt"
+NOTE_SOURCE_OF_TRACKS = "training_attempt"
 # Characters that reorder what a terminal shows (the "trojan source" controls): a note printed
 # by `tracks explain` must read as it was written.
 _BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
