@@ -109,9 +109,10 @@ def resume_after_preemption(
         # Each continuation on its own: one that cannot be launched is logged with its reason
         # and the others still go out on this tick.
         try:
-            if _stopped_by_termination(context, book, c):
+            hosting = _hosting_run(context.instance, c.ended)  # read once, for every rule below
+            if _stopped_by_termination(context, book, c, hosting):
                 continue
-            request = _request_for(context, storage, c, now, new_partitions)
+            request = _request_for(context, storage, c, hosting, now, new_partitions)
         except ContinuationRefusedError as exc:
             not_launched(c.run_key, str(exc))
             continue
@@ -132,7 +133,10 @@ def resume_after_preemption(
 
 
 def _stopped_by_termination(
-    context: dg.SensorEvaluationContext, book: "Ledger", c: "Continuation"
+    context: dg.SensorEvaluationContext,
+    book: "Ledger",
+    c: "Continuation",
+    hosting: dg.DagsterRun | None,
 ) -> bool:
     """Whether a person terminated the run's continuation: then the run stops, as a step that
     saw the termination would have stopped it, and nothing is launched.
@@ -146,13 +150,11 @@ def _stopped_by_termination(
     """
     from pipeline.attempts import stop_after_termination
 
-    hosting = c.ended.dagster_run_id
-    run = context.instance.get_run_by_id(hosting) if hosting else None
-    if run is not None and run.status is dg.DagsterRunStatus.CANCELED:
-        terminated = run.run_id
+    if hosting is not None and hosting.status is dg.DagsterRunStatus.CANCELED:
+        terminated = hosting.run_id
         when = (
             f"after attempt {c.ended.key} ended and before the run was continued (the resume "
-            f"sensor found that Dagster run {run.status.value})"
+            f"sensor found that Dagster run {hosting.status.value})"
         )
     else:
         launched = context.instance.get_runs(
@@ -180,12 +182,13 @@ def _request_for(
     context: dg.SensorEvaluationContext,
     storage: StorageResource,
     c: "Continuation",
+    hosting: dg.DagsterRun | None,
     now: datetime,
     new_partitions: list[str],
 ) -> dg.RunRequest | None:
     from pipeline import ids
 
-    if _left_to_hosting_run(context, c, now):
+    if _left_to_hosting_run(context, c, hosting, now):
         return None
     if c.not_before > now:
         context.log.info(f"{c.run_key}: backing off until {c.not_before:%H:%M:%S}")
@@ -208,7 +211,7 @@ def _request_for(
             "not launching another (see their event logs)"
         )
         return None
-    run_config, trainer_from = _continuation_plan(c, context.instance)
+    run_config, trainer_from = _continuation_plan(c, hosting)
     return dg.RunRequest(
         run_key=run_key,
         partition_key=c.run.snapshot_id,
@@ -235,18 +238,17 @@ _STEP_MAY_RUN = (
 )
 
 
-def _unfinished_hosting_run(
-    context: dg.SensorEvaluationContext, attempt: "AttemptRecord"
-) -> dg.DagsterRunStatus | None:
-    """The status of the Dagster run that launched ``attempt`` where its steps may still be
-    executing (starting, started or being terminated); None where it is finished or unknown."""
+def _hosting_run(instance: dg.DagsterInstance, attempt: "AttemptRecord") -> dg.DagsterRun | None:
+    """The Dagster run that launched ``attempt``, where this instance holds it."""
     hosting = attempt.dagster_run_id
-    run = context.instance.get_run_by_id(hosting) if hosting else None
-    return run.status if run is not None and run.status in _STEP_MAY_RUN else None
+    return instance.get_run_by_id(hosting) if hosting else None
 
 
 def _left_to_hosting_run(
-    context: dg.SensorEvaluationContext, c: "Continuation", now: datetime
+    context: dg.SensorEvaluationContext,
+    c: "Continuation",
+    hosting: dg.DagsterRun | None,
+    now: datetime,
 ) -> bool:
     """Whether the Dagster run that ran the ended attempt still owns its continuation.
 
@@ -260,19 +262,18 @@ def _left_to_hosting_run(
     """
     from pipeline.continuation import IN_RUN_CLAIM_SECONDS, in_run_claim_open
 
-    status = _unfinished_hosting_run(context, c.ended)
-    if status is None:
+    if hosting is None or hosting.status not in _STEP_MAY_RUN:
         return False
-    hosting = c.ended.dagster_run_id
+    status = hosting.status
     if in_run_claim_open(c.ended, now, AUTOMATION.heartbeat_timeout_seconds):
         context.log.info(
-            f"{c.run_key}: not launched: Dagster run {hosting}, which ran attempt "
+            f"{c.run_key}: not launched: Dagster run {hosting.run_id}, which ran attempt "
             f"{c.ended.key}, is still {status.value}; the continuation is its own "
             "(it continues in place, or ends and a later tick launches it)"
         )
         return True
     context.log.warning(
-        f"{c.run_key}: Dagster run {hosting}, which ran attempt {c.ended.key}, is still "
+        f"{c.run_key}: Dagster run {hosting.run_id}, which ran attempt {c.ended.key}, is still "
         f"{status.value} {IN_RUN_CLAIM_SECONDS:.0f}s after the attempt went quiet without "
         "opening the next one; launching the continuation here"
     )
@@ -297,7 +298,7 @@ def _hosting_run_of_silent(
 
     hosting = attempt.dagster_run_id
     try:
-        run = context.instance.get_run_by_id(hosting) if hosting else None
+        run = _hosting_run(context.instance, attempt)
     except Exception as exc:  # one unreadable run must not hold up every silent attempt
         said = redact.text(f"{type(exc).__name__}: {exc}")
         context.log.warning(f"attempt {attempt.key}: Dagster run {hosting} unreadable: {said}")
@@ -333,11 +334,11 @@ def _hosting_run_of_silent(
 
 def _continuation_config(c: "Continuation", instance: dg.DagsterInstance) -> dict[str, Any]:
     """The run config of the continuation (see :func:`_continuation_plan`)."""
-    return _continuation_plan(c, instance)[0]
+    return _continuation_plan(c, _hosting_run(instance, c.ended))[0]
 
 
 def _continuation_plan(
-    c: "Continuation", instance: dg.DagsterInstance
+    c: "Continuation", original: dg.DagsterRun | None
 ) -> tuple[dict[str, Any], str]:
     """Continue the run as it ran: on the trainer of the Dagster run that ran the last attempt.
 
@@ -349,13 +350,13 @@ def _continuation_plan(
     Returns the run config and where its trainer config came from (the value of the
     ``tracks/trainer_config_from`` tag, which the attempt's receipt keeps):
     ``dagster_run:<id>``, ``placement:<ranks>`` (the continued attempt's) or ``deployment``.
+    ``original`` is that Dagster run, None where this instance does not hold it.
     """
     config: dict[str, Any] = {"ops": {"training_attempt": {"config": {"run_id": c.run.run_id}}}}
     placement = c.ended.placement or {}
     nodes = int(placement.get("nodes") or 1)
     on_kubernetes = placement.get("launcher") == "kubernetes"
     dagster_run_id = c.ended.dagster_run_id
-    original = instance.get_run_by_id(dagster_run_id) if dagster_run_id else None
     if original is not None:
         # Whether the step may continue in place is the launch's choice: carried over as set.
         ops = original.run_config.get("ops") or {}
