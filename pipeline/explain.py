@@ -38,7 +38,7 @@ from pipeline.ledger import (
 )
 from pipeline.ledger.notes import NOTE_SOURCE_OF_TRACKS
 from pipeline.retry import TERMINATED_BEFORE_CONTINUING, config_changes
-from pipeline.states import PromotionDecision
+from pipeline.states import PromotionDecision, TerminationReason
 
 _STATE_WORDS = {
     "committed": "committed",
@@ -147,7 +147,10 @@ def _stopped_by_a_person(attempt: AttemptRecord) -> bool:
     """Whether ``attempt`` stopped its run because a person cancelled: its own ending, or a
     termination of its Dagster run found after it ended (a second decision, not the policy's)."""
     rule = (attempt.retry_decision or {}).get("rule")
-    return attempt.termination_reason == "cancelled" or rule == TERMINATED_BEFORE_CONTINUING
+    return (
+        attempt.termination_reason == TerminationReason.CANCELLED
+        or rule == TERMINATED_BEFORE_CONTINUING
+    )
 
 
 def _summary(

@@ -234,6 +234,18 @@ def test_a_hosting_run_that_cannot_be_read_leaves_the_silent_attempt_to_the_hear
     assert all("hunter2" not in line for line in logged), logged
 
 
+def _stopped_by_a_termination(ledger: Ledger, logged: list[str], reason: str) -> dict[str, Any]:
+    """Attempt r1#1's decision, checked to be the stop a terminated Dagster run records (its
+    reason starting with ``reason``), with run r1 failed and the sensor saying why it launched
+    nothing."""
+    decision = ledger.get_attempt("r1", 1).retry_decision or {}
+    assert decision["action"] == "stop" and decision["rule"] == "terminated_before_continuing"
+    assert decision["reason"].startswith(reason), decision["reason"]
+    assert ledger.get_run("r1").status == RunStatus.FAILED
+    assert any(line.startswith("r1:attempt-2: not launched: Stop: A person") for line in logged)
+    return decision
+
+
 def test_a_dagster_run_terminated_after_its_attempt_ended_stops_the_run(tmp_path: Path) -> None:
     """The termination landed in that run's step after the attempt ended with resume (while it
     decided whether to continue in place): the decision still says resume, but the run stops,
@@ -244,18 +256,16 @@ def test_a_dagster_run_terminated_after_its_attempt_ended_stops_the_run(tmp_path
     logged: list[str] = []
     result = resume_tick(ledger, root=tmp_path, dagster_runs=canceled, logged=logged)
     assert isinstance(result, dg.SkipReason), result
-    decision = ledger.get_attempt("r1", 1).retry_decision or {}
-    assert decision["action"] == "stop" and decision["rule"] == "terminated_before_continuing"
-    assert decision["reason"].startswith(
+    decision = _stopped_by_a_termination(
+        ledger,
+        logged,
         "Stop: A person terminated Dagster run dr-host after attempt r1#1 ended and before the "
-        "run was continued (the resume sensor found that Dagster run CANCELED)"
-    ), decision["reason"]
+        "run was continued (the resume sensor found that Dagster run CANCELED)",
+    )
     assert decision["previous"]["action"] == "resume"
-    assert ledger.get_run("r1").status == RunStatus.FAILED
     page = explain(ledger, "r1")
     assert "Status **failed** (stopped because a person cancelled it)" in page, page[:600]
     assert "then **stop**: Stop: A person terminated Dagster run dr-host after attempt" in page
-    assert any(line.startswith("r1:attempt-2: not launched: Stop: A person") for line in logged)
     assert isinstance(resume_tick(ledger, root=tmp_path, dagster_runs=canceled), dg.SkipReason)
     assert (ledger.get_attempt("r1", 1).retry_decision or {})["previous"]["action"] == "resume"
 
@@ -277,11 +287,9 @@ def test_a_continuation_a_person_terminated_before_it_opened_its_attempt_is_not_
     logged: list[str] = []
     result = resume_tick(ledger, root=tmp_path, dagster_runs=runs, logged=logged)
     assert isinstance(result, dg.SkipReason), result
-    decision = ledger.get_attempt("r1", 1).retry_decision or {}
-    assert decision["action"] == "stop" and decision["rule"] == "terminated_before_continuing"
-    assert decision["reason"].startswith(
+    _stopped_by_a_termination(
+        ledger,
+        logged,
         "Stop: A person terminated Dagster run dr-next (the resume sensor's continuation of "
-        "attempt r1#1) before it opened attempt 2; the earlier decision (resume"
-    ), decision["reason"]
-    assert ledger.get_run("r1").status == RunStatus.FAILED
-    assert any(line.startswith("r1:attempt-2: not launched: Stop:") for line in logged)
+        "attempt r1#1) before it opened attempt 2; the earlier decision (resume",
+    )
