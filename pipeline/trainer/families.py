@@ -79,26 +79,29 @@ def digits_examples(snapshot: Snapshot) -> tuple[Examples, Examples]:
     """digits-cnn: images ``float32 [N, 1, 8, 8]`` in 0..1 and labels ``int64 [N]``."""
     import torch
 
-    from pipeline.data.columns import PIXEL_COLUMNS, PIXEL_MAX, PIXEL_MIN
-    from pipeline.data.dataset import split_tensors
-    from pipeline.data.snapshot import read_snapshot_frame
+    from pipeline.data.columnar import ColumnValuesError, read_snapshot_columns
+    from pipeline.data.columns import COLUMNS, PIXEL_COLUMNS, PIXEL_MAX, PIXEL_MIN
+    from pipeline.data.dataset import split_arrays
     from pipeline.trainer.model import IMAGE_SIDE, NUM_CLASSES
 
     snapshot_dir = snapshot.path
-    frame = read_snapshot_frame(snapshot)
+    # Arrays, not a DataFrame: the trainer never imports pandas (pipeline/data/columnar.py).
+    try:
+        columns = read_snapshot_columns(snapshot, COLUMNS)
+    except ColumnValuesError as exc:
+        raise BadInputError(snapshot_dir, str(exc)) from exc
     # Checked again on the bytes actually read: the verdict vouches for the manifest, and the
     # trainer's own guard costs one pass over 64 columns.
-    pixels = frame[list(PIXEL_COLUMNS)]
-    if (
-        pixels.isna().any().any()
-        or (pixels < PIXEL_MIN).any().any()
-        or (pixels > PIXEL_MAX).any().any()
-    ):
-        raise BadInputError(
-            snapshot_dir, f"pixel values fall outside {PIXEL_MIN}..{PIXEL_MAX} (or are null)"
-        )
-    train_images, train_labels = split_tensors(frame, "train")
-    eval_images, eval_labels = split_tensors(frame, "eval")
+    for name in PIXEL_COLUMNS:
+        pixels = columns[name]
+        # Written so that NaN (whose comparisons are all false) fails it too.
+        if pixels.size and not (pixels.min() >= PIXEL_MIN and pixels.max() <= PIXEL_MAX):
+            raise BadInputError(
+                snapshot_dir,
+                f"pixel values fall outside {PIXEL_MIN}..{PIXEL_MAX} (or are NaN) in {name}",
+            )
+    train_images, train_labels = split_arrays(columns, "train")
+    eval_images, eval_labels = split_arrays(columns, "eval")
     for split, images, labels in (
         ("train", train_images, train_labels),
         ("eval", eval_images, eval_labels),
