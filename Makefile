@@ -18,6 +18,10 @@ $(VENV)/.installed: pyproject.toml requirements.lock | $(BIN)/python
 		"(torch's CPU build, Dagster, MLflow, Great Expectations; 2.3 GB installed):" \
 		"a few minutes the first time, nothing after that."
 	$(BIN)/pip install --quiet -c requirements.lock -e '.[test]'
+	@# pip compiled what it installed; Tracks' own modules are compiled here, once, so that a
+	@# shell with PYTHONDONTWRITEBYTECODE set (CI's) does not compile them in every process
+	@# the tests start (0.04 CPU-s a trainer or a code location load; hundreds of processes).
+	$(BIN)/python -m compileall -q pipeline assets resources sensors definitions.py bench
 	touch $@
 
 install: $(VENV)/.installed
