@@ -70,6 +70,8 @@ def _column_values(chunks: Iterable[pa.Array], file: str, column: str) -> np.nda
 
     values: list[np.ndarray] = []
     for chunk in chunks:
+        if not len(chunk):  # an empty row group's buffers may be absent
+            continue
         if chunk.null_count:
             raise ColumnValuesError(file, column, f"holds {chunk.null_count} null values")
         kind = chunk.type
