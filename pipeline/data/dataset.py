@@ -1,4 +1,5 @@
-"""From a verified snapshot frame to what training and evaluation consume."""
+"""From a verified snapshot (a frame, or its columns as arrays) to what training and evaluation
+consume."""
 
 from __future__ import annotations
 
@@ -33,9 +34,6 @@ def split_tensors(df: pd.DataFrame, split: str) -> tuple[torch.Tensor, torch.Ten
 
     Rows are ordered by ``sample_id``, so the same snapshot always gives the same tensors.
     """
-    for column in (SAMPLE_ID, SPLIT, LABEL, *PIXEL_COLUMNS):
-        if column not in df.columns:
-            raise MissingColumnError(column, "the snapshot frame")
     return split_arrays({name: df[name].to_numpy() for name in df.columns}, split)
 
 
@@ -51,7 +49,7 @@ def split_arrays(
         raise UnknownSplitError(split, SPLITS)
     for column in (SAMPLE_ID, SPLIT, LABEL, *PIXEL_COLUMNS):
         if column not in columns:
-            raise MissingColumnError(column, "the snapshot's columns")
+            raise MissingColumnError(column, "the snapshot's rows")
     rows = np.flatnonzero(columns[SPLIT] == split)
     if rows.size == 0:
         raise EmptySplitError(split)
