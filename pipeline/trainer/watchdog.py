@@ -60,7 +60,6 @@ _PHASE_WORDS = {
     "data": "data loading",
     "compute": "compute",
     "collective": "a collective",
-    "health": "the spike detector",
     "save": "a checkpoint save",
     BETWEEN: "the loop",
 }
