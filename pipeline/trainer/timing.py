@@ -126,7 +126,7 @@ class StepTimer:
         For the spike detector's verdict, a few tens of microseconds after every backward:
         measured side by side, the two switches that put it in a phase of its own cost a third
         of what the whole detector costs (each makes a :class:`Position`, and right after
-        backward every object touched is a cache miss); this is one clock read and two adds.
+        backward every object touched is a cache miss); this is two clock reads and two additions.
         """
         seconds = self._clock() - began
         self._parts[name] += seconds
