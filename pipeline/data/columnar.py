@@ -44,13 +44,13 @@ def read_snapshot_columns(
     """
     import pyarrow.parquet as pq
 
-    from pipeline.data.snapshot import verify_snapshot
+    from pipeline.data.snapshot import DATA_DIR, verify_snapshot
 
     if verify:
         verify_snapshot(snapshot)
     parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for entry in snapshot.manifest["files"]:
-        relative = f"{snapshot.path.name}/data/{entry['name']}"
+        relative = f"{snapshot.path.name}/{DATA_DIR}/{entry['name']}"
         parquet = pq.ParquetFile(snapshot.data_dir / entry["name"])
         present = set(parquet.schema_arrow.names)
         for name in names:

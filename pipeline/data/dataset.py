@@ -34,7 +34,7 @@ def split_tensors(df: pd.DataFrame, split: str) -> tuple[torch.Tensor, torch.Ten
 
     Rows are ordered by ``sample_id``, so the same snapshot always gives the same tensors.
     """
-    return split_arrays({name: df[name].to_numpy() for name in df.columns}, split)
+    return split_arrays(_arrays_of(df), split)
 
 
 def split_arrays(
@@ -45,15 +45,7 @@ def split_arrays(
     # torch is imported here: it is slow to import, and Dagster loads this package to wire assets.
     import torch
 
-    if split not in SPLITS:
-        raise UnknownSplitError(split, SPLITS)
-    for column in (SAMPLE_ID, SPLIT, LABEL, *PIXEL_COLUMNS):
-        if column not in columns:
-            raise MissingColumnError(column, "the snapshot's rows")
-    rows = np.flatnonzero(columns[SPLIT] == split)
-    if rows.size == 0:
-        raise EmptySplitError(split)
-    rows = rows[np.argsort(columns[SAMPLE_ID][rows], kind="stable")]
+    rows = _split_rows(columns, split)
     pixels = np.stack([columns[name][rows] for name in PIXEL_COLUMNS], axis=1)
     pixels = pixels.astype(np.float32) / np.float32(PIXEL_MAX)
     images = torch.from_numpy(np.ascontiguousarray(pixels.reshape(-1, 1, IMAGE_SIDE, IMAGE_SIDE)))
@@ -67,24 +59,26 @@ def eval_task_set_version(df: pd.DataFrame) -> str:
     Depends only on the eval rows' ids, labels and pixels, not on file layout, row order
     or the train rows.
     """
-    rows = _split_rows(df, SPLIT_EVAL)
+    arrays = _arrays_of(df)
+    rows = _split_rows(arrays, SPLIT_EVAL)
     columns = [SAMPLE_ID, LABEL, *PIXEL_COLUMNS]
-    return sha256_json(
-        {
-            "format": TASK_SET_FORMAT,
-            "columns": columns,
-            "rows": rows[columns].to_numpy(dtype=np.int64).tolist(),
-        }
-    )
+    values = np.stack([arrays[name][rows] for name in columns], axis=1).astype(np.int64)
+    return sha256_json({"format": TASK_SET_FORMAT, "columns": columns, "rows": values.tolist()})
 
 
-def _split_rows(df: pd.DataFrame, split: str) -> pd.DataFrame:
+def _arrays_of(df: pd.DataFrame) -> dict[str, np.ndarray]:
+    return {name: df[name].to_numpy() for name in df.columns}
+
+
+def _split_rows(columns: Mapping[str, np.ndarray], split: str) -> np.ndarray:
+    """The positions of ``split``'s rows, ordered by ``sample_id`` (stable: ties keep their
+    order)."""
     if split not in SPLITS:
         raise UnknownSplitError(split, SPLITS)
     for column in (SAMPLE_ID, SPLIT, LABEL, *PIXEL_COLUMNS):
-        if column not in df.columns:
-            raise MissingColumnError(column, "the snapshot frame")
-    rows = df.loc[df[SPLIT] == split].sort_values(SAMPLE_ID, kind="stable")
-    if rows.empty:
+        if column not in columns:
+            raise MissingColumnError(column, "the snapshot's rows")
+    rows = np.flatnonzero(columns[SPLIT] == split)
+    if rows.size == 0:
         raise EmptySplitError(split)
-    return rows
+    return rows[np.argsort(columns[SAMPLE_ID][rows], kind="stable")]
