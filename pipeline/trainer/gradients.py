@@ -25,6 +25,8 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T", bound=torch.Tensor)
+# The dtypes whose squares are summed as they are (others are widened to float32 first).
+_WIDE = (torch.float32, torch.float64)
 
 
 class GradientBuffer:
@@ -51,6 +53,10 @@ class GradientBuffer:
             self._members.append(tuple(placed))
         self._params = tuple(params)
         self._checked = False
+        # The common case, one float32 or float64 flat: its norm without a loop (the norm runs
+        # after every backward, where each Python line is a cold cache's).
+        only = self._flats[0] if len(self._flats) == 1 else None
+        self._only = only if only is not None and only.dtype in _WIDE else None
 
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer, current: GradientBuffer | None) -> GradientBuffer:
@@ -67,6 +73,9 @@ class GradientBuffer:
     def norm(self) -> float:
         """The global L2 norm of the gradients (inf or nan where any is not finite, or where
         the sum of squares overflows; 0.0 for an optimizer without parameters)."""
+        only = self._only
+        if only is not None:
+            return math.sqrt(torch.dot(only, only).item())
         return math.sqrt(math.fsum(_squares(flat) for flat in self._flats))
 
     def buckets(self, max_bytes: int) -> list[tuple[torch.Tensor, tuple[torch.nn.Parameter, ...]]]:
@@ -117,7 +126,7 @@ def _squares(flat: torch.Tensor) -> float:
     """The sum of ``flat``'s squares: a dot product (one BLAS call, the cheapest reduction
     after backward: 90 us against vector_norm's 125 on the 2-vCPU VM), accumulated in float32
     at least."""
-    wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+    wide = flat if flat.dtype in _WIDE else flat.float()
     return float(torch.dot(wide, wide).item())
 
 
