@@ -19,7 +19,7 @@ judges exactly as the uninterrupted one would have.
 
 Judging runs after every backward, where the CPU's caches are cold and each Python line costs
 several times its warm figure, so a clean step is judged by two comparisons (:class:`Bounds`):
-every :data:`FOLD_STEPS` steps the detector works out, for each metric, a value below which no
+every :data:`FOLD_STEPS` steps (32) the detector works out, for each metric, a value below which no
 window the next steps can reach calls a spike, whatever values join it meanwhile (a bound
 proved below, not a guess); a step below both bounds is clean, and its values wait in a list
 until the next fold appends them. Any other step (near a bound, non-finite, or the list full)
@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from itertools import islice
@@ -48,8 +48,8 @@ from pipeline.trainer.config import SpikeConfig
 
 SPIKE = "spike"
 # Steps a fold's bounds serve before the next fold: more is less Python per step and looser
-# bounds (at a window of 128 and z 6: 5.6 standard deviations above the mean for 16 steps).
-FOLD_STEPS = 16
+# bounds (at a window of 128 and z 6: 5.2 standard deviations above the mean for 32 steps).
+FOLD_STEPS = 32
 # What the bounds keep below the exact threshold, as a share of its scale (|mean| + z x std):
 # far more than the float rounding of the exact rule's mean, deviation and z-score (about
 # 1e-15 of it), so a value the rounding could tip over the threshold is judged exactly.
@@ -106,22 +106,30 @@ class _Window:
         self._squares = 0
 
     def append(self, value: float) -> None:
-        if len(self.values) == self.values.maxlen:
-            numerator, shift = self._ratios.popleft()
-            oldest = numerator << (self._scale - shift)
-            self._sum -= oldest
-            self._squares -= oldest * oldest
-        numerator, denominator = value.as_integer_ratio()  # denominator: a power of two
-        shift = denominator.bit_length() - 1
-        if shift > self._scale:
-            grow, self._scale = shift - self._scale, shift
-            self._sum <<= grow
-            self._squares <<= 2 * grow
-        scaled = numerator << (self._scale - shift)
-        self.values.append(value)
-        self._ratios.append((numerator, shift))
-        self._sum += scaled
-        self._squares += scaled * scaled
+        self.extend((value,))
+
+    def extend(self, new: Iterable[float]) -> None:
+        """Append each value in turn (the sums in locals meanwhile: a fold appends many)."""
+        values, ratios, size = self.values, self._ratios, self.values.maxlen
+        total, squares, scale = self._sum, self._squares, self._scale
+        for value in new:
+            if len(values) == size:
+                numerator, shift = ratios.popleft()
+                oldest = numerator << (scale - shift)
+                total -= oldest
+                squares -= oldest * oldest
+            numerator, denominator = value.as_integer_ratio()  # denominator: a power of two
+            shift = denominator.bit_length() - 1
+            if shift > scale:
+                grow, scale = shift - scale, shift
+                total <<= grow
+                squares <<= 2 * grow
+            scaled = numerator << (scale - shift)
+            values.append(value)
+            ratios.append((numerator, shift))
+            total += scaled
+            squares += scaled * scaled
+        self._sum, self._squares, self._scale = total, squares, scale
 
     def mean_std(self) -> tuple[float, float]:
         """The mean and the sample standard deviation (0.0 below two values), each from one
@@ -243,15 +251,38 @@ class SpikeDetector:
 
     def fold(self) -> None:
         """Append the values :meth:`clean` let through, and work out the next bounds."""
-        windows = self._windows
-        for loss, grad_norm in self._pending:
-            if "loss" in windows:
-                windows["loss"].append(float(loss))
-            if "grad_norm" in windows:
-                windows["grad_norm"].append(float(grad_norm))
-        self._pending.clear()
+        self._append_pending()
+        self._bound()
+
+    def judge(self, values: Mapping[str, float]) -> Judgement | None:
+        """The first judged metric (in ``spikes.metrics`` order) that spikes, or None.
+
+        A clean step's values join the windows; a spike's do not.
+        """
+        self._append_pending()
+        judgement = None
+        for name, window in self._windows.items():
+            judgement = self._judge(name, window, float(values[name]))
+            if judgement is not None:
+                break
+        else:
+            for name, window in self._windows.items():
+                window.append(float(values[name]))
+        self._bound()
+        return judgement
+
+    def _append_pending(self) -> None:
+        pending, windows = self._pending, self._windows
+        if pending:
+            for column, name in enumerate(("loss", "grad_norm")):
+                if name in windows:
+                    windows[name].extend(float(row[column]) for row in pending)
+            pending.clear()
+
+    def _bound(self) -> None:
+        """The bounds for the next steps, from the windows as they are (nothing pending)."""
         room = self._fold_steps
-        for name, window in windows.items():
+        for name, window in self._windows.items():
             bounds = Bounds.of(window, self.config, room)
             room = min(room, bounds.steps)
             if name == "loss":
@@ -259,21 +290,6 @@ class SpikeDetector:
             else:
                 self._norm = (bounds.low, bounds.high)
         self._room = room
-
-    def judge(self, values: Mapping[str, float]) -> Judgement | None:
-        """The first judged metric (in ``spikes.metrics`` order) that spikes, or None.
-
-        A clean step's values join the windows; a spike's do not.
-        """
-        self.fold()
-        for name, window in self._windows.items():
-            judgement = self._judge(name, window, float(values[name]))
-            if judgement is not None:
-                return judgement
-        for name, window in self._windows.items():
-            window.append(float(values[name]))
-        self.fold()
-        return None
 
     def _judge(self, name: str, window: _Window, value: float) -> Judgement | None:
         """``value``'s judgement where it is a spike; None where it is not."""
