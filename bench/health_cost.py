@@ -1,29 +1,28 @@
 """What the health detectors cost a training step: the same steps with and without them.
 
-    .venv/bin/python bench/health_cost.py [--blocks 400] [--block-steps 10] [--processes 0]
-    .venv/bin/python bench/health_cost.py --family text-lm [--device cuda]
+    .venv/bin/python bench/health_cost.py [--pairs 1000] [--block-steps 10] [--processes 0]
+    .venv/bin/python bench/health_cost.py --family text-lm --pairs 300 [--device cuda]
 
 The demo config (``TrainConfig``'s defaults on the digits snapshot, seed 0; with ``--family
 text-lm``, ``pipeline/trainer/configs/text-lm.yaml`` on a small text snapshot), measured two
 ways:
 
-- **In one process** (the figure issue 29 asks for, under 1.01): the trainer's own
-  ``train_step`` on the trainer's model, optimizer, data and deterministic settings, in blocks
-  of ``--block-steps`` steps alternating detectors on (the loss-spike detector judging every
-  step, the hang watchdog's thread watching the step timer) and off (neither), after warm-up
-  steps that fill the detector's window. Each block's median step time comes from its own
-  step timer (``pipeline/trainer/timing.py``); on ÷ off is the median over consecutive pairs
-  of blocks. Alternating inside one process takes out what differs between processes (where
-  the allocator put things, which core): on this 2-vCPU VM whole runs of the same config
-  differ by up to 30%, far more than the 1% in question.
+- **In one process** (the figure issue 29 asks for, under 1%): the trainer's own
+  ``train_step`` on the trainer's model, optimizer, data and deterministic settings, in pairs
+  of adjacent blocks of ``--block-steps`` steps (1: single steps), one with the detectors on
+  (the loss-spike detector judging every step; the hang watchdog's thread watching the step
+  timer, one thread for the whole run, as a trainer has one for its attempt) and one with
+  neither, in alternating order, after warm-up steps that fill the detector's window. Each
+  block's median step time comes from the step timer (``pipeline/trainer/timing.py``). The
+  cost is the median over the pairs of on minus off, as a share of the median off step:
+  adjacent steps share the host's mood, which on a 2-vCPU VM wanders by 30% within a minute,
+  far more than the 1% in question, so only many close pairs measure it.
 - **Across processes** (``--processes N``): N alternating pairs of whole
   ``python -m pipeline.trainer`` runs with ``spikes.enabled`` and ``watchdog.enabled`` true
   and false, each run's median step from its receipt. End to end, and noisy.
 
 Both report the ``health`` phase too: the step timer's own measure of the gradient norm and
-the verdict, as a share of the step. It overstates the marginal cost: the first code after
-backward finds the CPU's caches cold, whichever code that is; with the detector off the
-optimizer's update pays that instead.
+the verdict, as a share of the step.
 """
 
 from __future__ import annotations
@@ -48,9 +47,9 @@ DETECTORS_OFF = {"spikes": {"enabled": False}, "watchdog": {"enabled": False}}
 
 
 def in_process(
-    config: dict[str, Any], *, blocks: int, block_steps: int, warmup: int
+    config: dict[str, Any], *, pairs: int, block_steps: int, warmup: int
 ) -> dict[str, Any]:
-    """Alternating blocks of detectors on and off in this process; their medians."""
+    """Adjacent blocks of detectors on and off in this process; the pairs' figures."""
     from pipeline.trainer.config import TrainConfig
     from pipeline.trainer.data import load_training_data
     from pipeline.trainer.spikes import TrainingHealth
@@ -72,38 +71,43 @@ def in_process(
     def never_hangs(stall: Stall) -> None:
         raise SystemExit(f"the watchdog fired in the bench: {stall}")
 
-    def block(on: bool, steps: int) -> dict[str, Any]:
+    # One timer and one watchdog thread for all the on-blocks, as one attempt has.
+    on_timer = StepTimer()
+    watchdog = Watchdog(cfg.watchdog, on_timer, never_hangs)
+
+    def block(on: bool, steps: int) -> float:
+        """The median step of ``steps`` steps, detectors on or off."""
         nonlocal spikes
-        timer = StepTimer()
-        watchdog = Watchdog(cfg.watchdog, timer, never_hangs) if on else None
+        timer = on_timer if on else StepTimer()
+        times = []
         for _ in range(steps):
             timer.begin(state.step + 1)
             train_step(state, data, health=health if on else None, timer=timer)
             state.step += 1
             spikes += health.take_pending() is not None
             timer.end()
-            if watchdog is not None:
+            times.append(timer.last_total())
+            if on:
                 watchdog.arm()
                 watchdog.check_in()
-        if watchdog is not None:
-            watchdog.stop()
-        return timer.summary()
+        return statistics.median(times)
 
     block(True, warmup)  # fills the detector's window: from here on it judges every step
-    figures: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
-    for number in range(blocks):
+    figures: dict[str, list[float]] = {"on": [], "off": []}
+    for number in range(2 * pairs):
         on = (number // 2 + number) % 2 == 0  # on off, off on, on off …: neither always first
         figures["on" if on else "off"].append(block(on, block_steps))
-    step = {name: [b["total"]["median"] for b in rows] for name, rows in figures.items()}
-    pairs = [on / off for on, off in zip(step["on"], step["off"], strict=True)]
-    shares = [b["health"]["median"] / b["total"]["median"] for b in figures["on"]]
+    watchdog.stop()
+    off = statistics.median(figures["off"])
+    differences = [a - b for a, b in zip(figures["on"], figures["off"], strict=True)]
+    summary = on_timer.summary()
     return {
-        "on": statistics.median(step["on"]),
-        "off": statistics.median(step["off"]),
-        "ratio": statistics.median(pairs),
-        "pairs": pairs,
-        "health": statistics.median(b["health"]["median"] for b in figures["on"]),
-        "share": statistics.median(shares),
+        "on": statistics.median(figures["on"]),
+        "off": off,
+        "marginal": statistics.median(differences),
+        "share": statistics.median(differences) / off,
+        "health": summary["health"]["median"],
+        "health_share": summary["health"]["median"] / summary["total"]["median"],
         "spikes": spikes,
     }
 
@@ -148,14 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", choices=("digits-cnn", "text-lm"), default="digits-cnn")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--blocks", type=int, default=400, help="alternating blocks, one process")
-    parser.add_argument("--block-steps", type=int, default=10)
+    parser.add_argument("--pairs", type=int, default=1000, help="on/off pairs, one process")
+    parser.add_argument("--block-steps", type=int, default=10, help="steps in each block")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--processes", type=int, default=0, help="pairs of whole trainer runs")
     parser.add_argument("--steps", type=int, default=600, help="steps of each whole run")
     args = parser.parse_args(argv)
-    if args.blocks < 2 or args.blocks % 2:
-        parser.error("--blocks must be an even number of at least 2")
+    if args.pairs < 1 or args.block_steps < 1:
+        parser.error("--pairs and --block-steps must be at least 1")
 
     import yaml
 
@@ -167,14 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         config = {"seed": 0}
         snapshot = make_snapshot(work / "data")
     config.update(snapshot_dir=str(snapshot), device=args.device)
-    got = in_process(config, blocks=args.blocks, block_steps=args.block_steps, warmup=args.warmup)
+    got = in_process(config, pairs=args.pairs, block_steps=args.block_steps, warmup=args.warmup)
     print(
-        f"{args.family} on {args.device}, in one process ({args.blocks} alternating blocks "
-        f"of {args.block_steps} steps): "
-        f"median step on {got['on'] * 1e3:.3f} ms, off {got['off'] * 1e3:.3f} ms; "
-        f"on ÷ off (median of {len(got['pairs'])} pairs) {got['ratio']:.4f} "
-        f"[{min(got['pairs']):.3f}-{max(got['pairs']):.3f}]; detector phase "
-        f"{got['health'] * 1e6:.1f} us, {got['share']:.4f} of the step; spikes {got['spikes']}"
+        f"{args.family} on {args.device}, in one process ({args.pairs} adjacent pairs of "
+        f"{args.block_steps}-step blocks): median step on {got['on'] * 1e3:.3f} ms, "
+        f"off {got['off'] * 1e3:.3f} ms; on - off (median of the pairs) "
+        f"{got['marginal'] * 1e6:.1f} us, {got['share']:.4f} of the off step; detector phase "
+        f"{got['health'] * 1e6:.1f} us, {got['health_share']:.4f} of the step; "
+        f"spikes {got['spikes']}"
     )
     if args.processes:
         across_processes(config, work, repeats=args.processes, steps=args.steps)

@@ -166,6 +166,10 @@ class StepTimer:
         self._started = None
         self.last_progress = time.monotonic()
 
+    def last_total(self) -> float | None:
+        """The total seconds of the last finished step (None before the first)."""
+        return self._steps[-1][-1] if self._steps else None
+
     def recent_p99(self) -> float | None:
         """p99 of the recent steps' time without their saves; None before the first step."""
         recent = list(tuple(self._recent))
