@@ -328,8 +328,7 @@ class SpikeDetector:
             ):
                 raise ValueError(f"spike detector window {name!r} is not a list of numbers")
             window = _Window(self.config.window)
-            for value in values:
-                window.append(float(value))
+            window.extend(float(value) for value in values)
             self._windows[name] = window
         self._pending.clear()
         self.fold()
@@ -403,12 +402,14 @@ class TrainingHealth:
         return sum(1 for e in self.events if e.kind == SPIKE)
 
     def judge(self, *, step: int, batch: int, loss: float, grad_norm: float) -> Spike | None:
-        """Judge one step (before its update is applied); a :class:`Spike` or None.
+        """Judge one step (before its update is applied) by the exact rule; a :class:`Spike`
+        or None. The trainer asks ``detector.clean`` first and comes here only when the bounds
+        do not clear the step (train_step), so the fast path is tried once.
 
         The action is the configured one, except that the ``max_spikes``-th spike of the run
         stops it whatever the action.
         """
-        if not self.config.enabled or self.detector.clean(loss, grad_norm):
+        if not self.config.enabled:
             return None
         values = {"loss": loss, "grad_norm": grad_norm}
         judgement = self.detector.judge(values)
