@@ -84,6 +84,34 @@ def test_snapshot_dir_in_run_config_is_refused_naming_the_key(settings: TracksSe
         dg.validate_run_config(job, {"ops": {"training_attempt": {"config": {"train": train}}}})
 
 
+def _doc_run_configs() -> list[dict[str, Any]]:
+    """Every run config docs/configuration.md shows (its ```yaml blocks that start at ops:)."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    blocks = [part.split("```", 1)[0] for part in doc.split("```yaml\n")[1:]]
+    return [yaml.safe_load(block) for block in blocks if block.startswith("ops:")]
+
+
+def test_the_run_configs_the_docs_show_are_valid_and_the_detectors_example_says_its_defaults(
+    settings: TracksSettings,
+) -> None:
+    job = build_definitions(settings).resolve_implicit_global_asset_job_def()
+    configs = _doc_run_configs()
+    assert len(configs) >= 2, "the docs' run configs were not found"
+    for config in configs:
+        assert dg.validate_run_config(job, config)
+    [detectors] = [
+        c for c in configs if "spikes" in c["ops"]["training_attempt"]["config"]["train"]
+    ]
+    train = detectors["ops"]["training_attempt"]["config"]["train"]
+    # The example names every key of both sections, each at its default but the two it changes.
+    defaults = TrainConfig(snapshot_dir=Path("/unused"))
+    for section, changed in (("spikes", {"action", "ratio"}), ("watchdog", set())):
+        default = dataclasses.asdict(getattr(defaults, section))
+        shown = train[section]
+        assert set(shown) | {"enabled"} == set(default), section
+        assert {k for k, v in shown.items() if v != default[k]} == changed, section
+
+
 # Non-default values of fields the hand-written run config lacked (and of a nested section).
 SET = {
     "max_steps": 4,
