@@ -28,6 +28,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,11 @@ class Process:
     last_seen_s: float
     # Its CPU before the run, for a process already running when it started (PostgreSQL's).
     before_s: float = 0.0
+
+    @cached_property
+    def kind(self) -> str:
+        """What it is, by its command line (:data:`KINDS`): worked out once, read by each table."""
+        return kind_of(self.command)
 
 
 def kind_of(command: str) -> str:
@@ -124,7 +130,7 @@ def dagster_trees(processes: list[Process]) -> list[dict[str, Any]]:
 
     trees = []
     for root in processes:
-        if kind_of(root.command) != "dagster dev":
+        if root.kind != "dagster dev":
             continue
         tree = below(root)
         # The daemon's --instance-ref names the instance's storage: DAGSTER_HOME/storage.
@@ -135,7 +141,7 @@ def dagster_trees(processes: list[Process]) -> list[dict[str, Any]]:
         home = re.sub(r"(/dagster)?/storage$", "", home)
         kinds = Counter()
         for process in tree:
-            kinds[kind_of(process.command)] += process.cpu_s
+            kinds[process.kind] += process.cpu_s
         trees.append(
             {
                 "home": home,
@@ -151,7 +157,7 @@ def dagster_trees(processes: list[Process]) -> list[dict[str, Any]]:
 def report(processes: list[Process], busy_s: float, idle_s: float, wall_s: float) -> dict[str, Any]:
     by_kind: dict[str, list[float]] = defaultdict(list)
     for process in processes:
-        by_kind[kind_of(process.command)].append(process.cpu_s)
+        by_kind[process.kind].append(process.cpu_s)
     seen_s = sum(p.cpu_s for p in processes)
     return {
         "wall_s": round(wall_s, 1),
@@ -208,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         sample(seen, started)
         time.sleep(args.interval)
     busy1, idle1 = machine_ticks()
+    processes = [p for p in seen.values() if p.pid != os.getpid()]
     out = report(
-        [p for p in seen.values() if p.pid != os.getpid()],
+        processes,
         (busy1 - busy0) / TICK,
         (idle1 - idle0) / TICK,
         time.monotonic() - started,
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     out["command"], out["returncode"] = command, child.returncode
     print_report(out)
     if args.json:
-        out["processes"] = [asdict(p) for p in seen.values()]
+        out["processes"] = [asdict(p) for p in processes]
         args.json.write_text(json.dumps(out, indent=1))
     return child.returncode
 
