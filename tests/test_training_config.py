@@ -25,6 +25,7 @@ from pipeline.ledger import Ledger
 from pipeline.settings import TracksSettings
 from pipeline.states import TerminationReason
 from pipeline.trainer.config import TrainConfig, field_docs
+from tests.dagster_dev import REPO_ROOT
 from tests.kube_support import IMAGE, NS, requests_of
 from tests.receipt_support import make_snapshot, seed_ended_run, train_alone
 
@@ -86,7 +87,7 @@ def test_snapshot_dir_in_run_config_is_refused_naming_the_key(settings: TracksSe
 
 def _doc_run_configs() -> list[dict[str, Any]]:
     """Every run config docs/configuration.md shows (its ```yaml blocks that start at ops:)."""
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    doc = (REPO_ROOT / "docs" / "configuration.md").read_text()
     blocks = [part.split("```", 1)[0] for part in doc.split("```yaml\n")[1:]]
     return [yaml.safe_load(block) for block in blocks if block.startswith("ops:")]
 
